@@ -1,0 +1,32 @@
+# The two commands: `make demo` and `make test`. Each sets itself up on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+READY := $(VENV)/.ready
+ARGS ?=
+
+.PHONY: demo test bench setup clean
+
+setup: $(READY)
+
+# torch first and pinned: an unpinned torch pulls a CUDA build of several GB.
+$(READY): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[engine,dev]'
+	command -v prometheus >/dev/null || { apt-get update -qq && apt-get install -y -qq prometheus; } \
+	  || echo "warning: could not install prometheus (needs root); its tests will skip"
+	touch $@
+
+demo: $(READY)
+	$(VENV)/bin/otel-llm demo $(ARGS)
+
+test: $(READY)
+	$(PY) -m pytest -q $(ARGS)
+
+bench: $(READY)
+	$(PY) -m bench $(ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

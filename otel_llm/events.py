@@ -1,0 +1,60 @@
+"""The neutral event vocabulary that engines publish (DESIGN.md §4).
+
+Pure data: importing this module must never import OpenTelemetry, so that an engine can
+publish events without depending on the telemetry stack.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+__all__ = ["EventType", "RequestEvent", "StepStats"]
+
+
+class EventType(enum.Enum):
+    """What happened to a request.
+
+    A request starts with ARRIVED and ends with FINISHED; SCHEDULED starts or resumes running;
+    PREEMPTED sends it back to waiting; FIRST_TOKEN marks the first output token; TOKENS
+    carries decode progress (new output tokens this step, the first step's included).
+    """
+
+    ARRIVED = "arrived"
+    QUEUED = "queued"
+    SCHEDULED = "scheduled"
+    PREEMPTED = "preempted"
+    FIRST_TOKEN = "first_token"
+    TOKENS = "tokens"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class RequestEvent:
+    """One event of one request. ``timestamp`` is the engine's ``time.monotonic()`` in seconds."""
+
+    type: EventType
+    request_id: str
+    timestamp: float
+    prompt_tokens: int = 0  # ARRIVED
+    max_tokens: int = 0  # ARRIVED
+    num_tokens: int = 0  # TOKENS: new output tokens this step
+    num_computed_tokens: int = 0  # PREEMPTED: computed tokens thrown away
+    reason: str = ""  # PREEMPTED, e.g. "kv_cache_full"
+    finish_reason: str = ""  # FINISHED: stop, length, abort, error
+    num_cached_tokens: int = 0  # prefix-cache hits, where the engine knows them
+    trace_context: Optional[Mapping[str, str]] = None  # ARRIVED: W3C traceparent/tracestate carrier
+    prompt_text: Optional[str] = None  # ARRIVED: recorded only when the config asks for content
+    output_text: Optional[str] = None  # FINISHED: recorded only when the config asks for content
+
+
+@dataclass(slots=True)
+class StepStats:
+    """Engine-wide state, published once per engine step."""
+
+    timestamp: float
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # fraction of KV blocks in use, 0..1
+    num_batched_tokens: int = 0  # tokens computed in this step (prefill + decode)
