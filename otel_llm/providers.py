@@ -1,0 +1,199 @@
+"""setup_telemetry(): providers, readers and exporters from the config and the standard environment.
+
+The providers are our own (never installed as the process globals): a plugin must not take
+over the host application's OpenTelemetry setup.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Sequence
+
+from opentelemetry import trace
+from opentelemetry.metrics import NoOpMeterProvider
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics._internal.exemplar import (
+    AlwaysOffExemplarFilter,
+    AlwaysOnExemplarFilter,
+    TraceBasedExemplarFilter,
+)
+from opentelemetry.sdk.metrics.export import (
+    ConsoleMetricExporter,
+    MetricReader,
+    PeriodicExportingMetricReader,
+)
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+
+from .config import TelemetryConfig
+from .metrics import views
+from .telemetry import EngineTelemetry
+
+_log = logging.getLogger(__name__)
+
+DEFAULT_PROMETHEUS_HOST = "127.0.0.1"
+DEFAULT_PROMETHEUS_PORT = 9464
+DEFAULT_OTLP_PROTOCOL = "grpc"
+_EXEMPLAR_FILTERS = {
+    "trace_based": TraceBasedExemplarFilter,
+    "always_on": AlwaysOnExemplarFilter,
+    "always_off": AlwaysOffExemplarFilter,
+}
+
+
+@dataclass
+class TelemetryHandle:
+    """What :func:`setup_telemetry` built. ``shutdown()`` flushes everything; it is idempotent."""
+
+    config: TelemetryConfig
+    telemetry: EngineTelemetry
+    meter_provider: Any
+    tracer_provider: Any
+    prometheus: Any = None  # otel_llm.prometheus.PrometheusEndpoint when serving /metrics
+    engines: list[EngineTelemetry] = field(default_factory=list)
+    _closed: bool = False
+
+    @property
+    def prometheus_port(self) -> Optional[int]:
+        return self.prometheus.port if self.prometheus is not None else None
+
+    def new_telemetry(self, **overrides: Any) -> EngineTelemetry:
+        """Another engine's telemetry on the same providers, e.g. ``new_telemetry(engine="1")``."""
+        telemetry = EngineTelemetry(dataclasses.replace(self.config, **overrides),
+                                    meter_provider=self.meter_provider, tracer_provider=self.tracer_provider,
+                                    fast_path=isinstance(self.meter_provider, MeterProvider))
+        self.engines.append(telemetry)
+        return telemetry
+
+    def force_flush(self, timeout_millis: int = 10_000) -> bool:
+        ok = True
+        for provider in (self.tracer_provider, self.meter_provider):
+            flush = getattr(provider, "force_flush", None)
+            if flush is not None:
+                ok = bool(flush(timeout_millis)) and ok
+        return ok
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for telemetry in self.engines:
+            telemetry.shutdown()
+        for provider in (self.tracer_provider, self.meter_provider):
+            stop = getattr(provider, "shutdown", None)
+            if stop is not None:
+                try:
+                    stop()
+                except Exception:  # noqa: BLE001 - a dead collector must not fail the host's shutdown
+                    _log.warning("otel_llm: provider shutdown failed", exc_info=True)
+        if self.prometheus is not None:
+            self.prometheus.shutdown()
+
+
+def setup_telemetry(config: Optional[TelemetryConfig] = None, *,
+                    extra_metric_readers: Sequence[MetricReader] = (),
+                    extra_span_processors: Sequence[SpanProcessor] = (),
+                    environ: Optional[Mapping[str, str]] = None) -> TelemetryHandle:
+    """Build providers, readers and exporters, and the engine's :class:`EngineTelemetry`.
+
+    Settings left ``None`` in ``config`` come from the standard ``OTEL_*`` variables.
+    Raises ValueError (bad settings) or OSError (Prometheus port taken) at once.
+    """
+    env = os.environ if environ is None else environ
+    config = (config or TelemetryConfig.from_env(env)).with_env_defaults(env)
+    if config.sdk_disabled:
+        telemetry = EngineTelemetry(config, meter_provider=NoOpMeterProvider(),
+                                    tracer_provider=trace.NoOpTracerProvider(), fast_path=False)
+        return TelemetryHandle(config, telemetry, None, None, engines=[telemetry])
+
+    resource = _resource(config)
+    metrics_exporters = config.metrics_exporters or (("prometheus",) if config.prometheus_port is not None
+                                                     else ("otlp",))
+    traces_exporters = config.traces_exporters or ("otlp",)
+
+    prometheus = None
+    readers: list[MetricReader] = []
+    if "prometheus" in metrics_exporters:
+        from .prometheus import PrometheusEndpoint
+
+        host = config.prometheus_host or DEFAULT_PROMETHEUS_HOST
+        port = DEFAULT_PROMETHEUS_PORT if config.prometheus_port is None else config.prometheus_port
+        prometheus = PrometheusEndpoint(host, port)
+        prometheus.start()
+        readers.append(prometheus.reader)
+    interval = config.metric_export_interval_ms or 60_000
+    if "otlp" in metrics_exporters:
+        readers.append(PeriodicExportingMetricReader(_otlp_metric_exporter(config, env),
+                                                     export_interval_millis=interval))
+    if "console" in metrics_exporters:
+        readers.append(PeriodicExportingMetricReader(ConsoleMetricExporter(), export_interval_millis=interval))
+    readers.extend(extra_metric_readers)
+
+    filter_name = config.exemplar_filter or "trace_based"
+    meter_provider = MeterProvider(metric_readers=readers, resource=resource, views=views(config),
+                                   exemplar_filter=_EXEMPLAR_FILTERS[filter_name]())
+    tracer_provider = TracerProvider(resource=resource)
+    if "otlp" in traces_exporters:
+        tracer_provider.add_span_processor(BatchSpanProcessor(_otlp_span_exporter(config, env)))
+    if "console" in traces_exporters:
+        tracer_provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
+    for processor in extra_span_processors:
+        tracer_provider.add_span_processor(processor)
+
+    telemetry = EngineTelemetry(config, meter_provider=meter_provider, tracer_provider=tracer_provider,
+                                fast_path=True)
+    _log.info("otel_llm telemetry: metrics=%s traces=%s prometheus=%s settings=%s", metrics_exporters,
+              traces_exporters, prometheus.url if prometheus else None, config.redacted())
+    return TelemetryHandle(config, telemetry, meter_provider, tracer_provider, prometheus, engines=[telemetry])
+
+
+def _resource(config: TelemetryConfig) -> Resource:
+    # Resource.create() honours OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES.
+    resource = Resource.create(dict(config.resource_attributes))
+    if str(resource.attributes.get("service.name", "")).startswith("unknown_service"):
+        resource = resource.merge(Resource({"service.name": "otel-llm"}))
+    return resource
+
+
+def _protocol(config: TelemetryConfig, env: Mapping[str, str], signal: str) -> str:
+    var = f"OTEL_EXPORTER_OTLP_{signal.upper()}_PROTOCOL"
+    protocol = (env.get(var) or config.otlp_protocol or DEFAULT_OTLP_PROTOCOL).strip().lower()
+    if protocol not in ("grpc", "http/protobuf"):
+        raise ValueError(f"{var}={protocol!r}: must be 'grpc' or 'http/protobuf'")
+    return protocol
+
+
+def _endpoint(config: TelemetryConfig, env: Mapping[str, str], signal: str, protocol: str) -> Optional[str]:
+    """Per-signal endpoint as given; the base endpoint gets /v1/<signal> for HTTP (OTLP spec)."""
+    specific = env.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT")
+    if specific:
+        return specific
+    if not config.otlp_endpoint:
+        return None
+    if protocol == "http/protobuf":
+        return config.otlp_endpoint.rstrip("/") + f"/v1/{signal}"
+    return config.otlp_endpoint
+
+
+def _otlp_metric_exporter(config: TelemetryConfig, env: Mapping[str, str]) -> Any:
+    protocol = _protocol(config, env, "metrics")
+    endpoint = _endpoint(config, env, "metrics", protocol)
+    if protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+    else:
+        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter  # type: ignore
+    return OTLPMetricExporter(endpoint=endpoint)  # headers, TLS, compression, timeout, temporality: env
+
+
+def _otlp_span_exporter(config: TelemetryConfig, env: Mapping[str, str]) -> Any:
+    protocol = _protocol(config, env, "traces")
+    endpoint = _endpoint(config, env, "traces", protocol)
+    if protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    else:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter  # type: ignore
+    return OTLPSpanExporter(endpoint=endpoint)

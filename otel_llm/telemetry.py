@@ -1,0 +1,239 @@
+"""EngineTelemetry: the hook-bus subscriber that ties the tracker, the metrics and the spans.
+
+Guarantees: nothing raises into the engine (bad events are dropped and counted by reason,
+internal failures too); state is bounded (the tracker's caps); events of one batch are
+applied under one lock, so several publishing threads keep exact totals.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any, Iterable, Optional, Sequence
+
+from opentelemetry import metrics as metrics_api
+from opentelemetry.context import Context
+
+from . import tracker as t
+from .config import TelemetryConfig
+from .events import RequestEvent, StepStats
+from .metrics import FastMetrics, Recorder, SdkMetrics, provider_has_views
+from .spans import RequestSpans
+from .tracker import RequestState, RequestSummary, Tracker
+
+_log = logging.getLogger(__name__)
+_EMPTY_CONTEXT = Context()  # records with no request span must not pick up an unrelated current span
+_warned_providers: set[int] = set()
+
+
+class DropLog:
+    """Logs dropped events at most once per reason per interval, with the count in between."""
+
+    def __init__(self, interval_s: float = 60.0) -> None:
+        self.interval_s = interval_s
+        self._last: dict[str, float] = {}
+        self._since: dict[str, int] = {}
+
+    def note(self, reason: str, event: Any, exc_info: bool = False) -> None:
+        now = time.monotonic()
+        last = self._last.get(reason)
+        if last is not None and now - last < self.interval_s:
+            self._since[reason] = self._since.get(reason, 0) + 1
+            return
+        more = self._since.pop(reason, 0)
+        self._last[reason] = now
+        _log.warning("otel_llm dropped an event (%s): %s%s", reason, _describe(event),
+                     f" (+{more} more since the last report)" if more else "", exc_info=exc_info)
+
+
+def _describe(event: Any) -> str:
+    # Never the payload texts: ids and numbers only.
+    kind = getattr(event, "type", None)
+    return f"type={getattr(kind, 'name', kind)!r} request_id={str(getattr(event, 'request_id', '?'))[:64]!r}"
+
+
+class EngineTelemetry:
+    """Subscribe to an engine's hook bus: ``engine.hooks.subscribe(EngineTelemetry(config))``.
+
+    ``fast_path``: None (default) uses the in-process aggregation when the MeterProvider was
+    built with :func:`otel_llm.views`, else the straightforward SDK path with one warning;
+    True/False forces it (tests and benchmarks compare both).
+    """
+
+    def __init__(self, config: Optional[TelemetryConfig] = None, *, meter_provider: Any = None,
+                 tracer_provider: Any = None, fast_path: Optional[bool] = None) -> None:
+        self.config = config = config or TelemetryConfig()
+        meter_provider = meter_provider or metrics_api.get_meter_provider()
+        if fast_path is None:
+            fast_path = provider_has_views(meter_provider, config)
+            if not fast_path and id(meter_provider) not in _warned_providers:
+                _warned_providers.add(id(meter_provider))
+                _log.warning("otel_llm: this MeterProvider was built without otel_llm.views(config): metric names "
+                             "and buckets are the SDK's defaults and every observation goes through the SDK. "
+                             "Build it with MeterProvider(views=otel_llm.views(config), ...).")
+        self.metrics: Recorder = (FastMetrics if fast_path else SdkMetrics)(meter_provider, config)
+        self._lock: threading.Lock = self.metrics.lock  # type: ignore[attr-defined]
+        exemplar_filter = (config.exemplar_filter or os.environ.get("OTEL_METRICS_EXEMPLAR_FILTER", "")
+                           or "trace_based").lower()
+        self._always_on = exemplar_filter == "always_on"
+        self.spans = RequestSpans(config, tracer_provider, exemplar_filter) if config.spans else None
+        self.tracker = Tracker(self, config.max_inflight_requests)
+        self._drops = DropLog()
+        self._closed = False
+
+    # -- the hook bus interface ----------------------------------------------------------
+
+    def on_events(self, events: Sequence[RequestEvent]) -> None:
+        handle = self.tracker.handle
+        try:
+            with self._lock:
+                for event in events:
+                    try:
+                        handle(event)
+                    except (TypeError, AttributeError, ValueError):
+                        self.dropped(t.INVALID_VALUE, event)
+                    except Exception:  # noqa: BLE001 - never into the engine
+                        self._internal_error(event)
+        except Exception:  # noqa: BLE001 - e.g. events not iterable
+            self._internal_error(events)
+
+    def on_step(self, stats: StepStats) -> None:
+        try:
+            with self._lock:
+                if _valid_step(stats):
+                    self.metrics.step(stats)
+                else:
+                    self.dropped(t.INVALID_VALUE, stats)
+        except Exception:  # noqa: BLE001
+            self._internal_error(stats)
+
+    # -- for adapters whose engine hands over derived stats (vLLM) -----------------------
+
+    def record_finished(self, summary: RequestSummary) -> None:
+        """Per-request histograms, ``request_success`` and one span, from a finished request."""
+        try:
+            with self._lock:
+                req = RequestState(summary.request_id, summary.arrival_time, summary.prompt_tokens,
+                                   summary.max_tokens, summary.cached_tokens)
+                self._start_span(req, None, {})
+                if req.span is not None:
+                    for ordinal, (ts, tokens, reason) in enumerate(summary.preemptions, 1):
+                        self.spans.event(req.span, "preempted", ts, {  # type: ignore[union-attr]
+                            "ordinal": ordinal, "num_computed_tokens": tokens, "reason": reason})
+                self._finish(req, summary, None)
+        except Exception:  # noqa: BLE001
+            self._internal_error(summary)
+
+    def record_iteration(self, *, ttfts: Iterable[float] = (), itls: Iterable[float] = (), prompt_tokens: int = 0,
+                         generation_tokens: int = 0, num_preemptions: int = 0,
+                         preemption_reason: str = "kv_cache_full") -> None:
+        """Per-iteration observations that are not tied to a request span."""
+        try:
+            with self._lock:
+                m = self.metrics
+                exemplar = (None, None) if self._always_on else None
+                for value in ttfts:
+                    m.ttft(value, exemplar, _EMPTY_CONTEXT)
+                for value in itls:
+                    m.itl(value, exemplar, _EMPTY_CONTEXT)
+                m.prompt_tokens(prompt_tokens)
+                m.generation_tokens(generation_tokens)
+                for _ in range(num_preemptions):
+                    m.preempted(preemption_reason, 0)
+        except Exception:  # noqa: BLE001
+            self._internal_error(None)
+
+    def shutdown(self) -> None:
+        """End the spans of requests still in flight (marked incomplete). Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for req in self.tracker.drain():
+                if req.span is not None:
+                    self.spans.abandon(req.span, None, "shutdown")  # type: ignore[union-attr]
+
+    # -- TrackerSink ---------------------------------------------------------------------
+
+    def request_arrived(self, req: RequestState, event: RequestEvent) -> None:
+        attributes = {}
+        if self.spans is not None:
+            prompt = self.spans.content(event.prompt_text)
+            if prompt is not None:
+                attributes["gen_ai.prompt"] = prompt
+        self._start_span(req, event.trace_context, attributes)
+
+    def request_scheduled(self, req: RequestState, ts: float, resumed: bool) -> None:
+        if resumed and req.span is not None:
+            self.spans.event(req.span, "resumed", ts, {"ordinal": req.num_preemptions})  # type: ignore[union-attr]
+
+    def request_preempted(self, req: RequestState, event: RequestEvent) -> None:
+        self.metrics.preempted(event.reason, event.num_computed_tokens)
+        if req.span is not None:
+            self.spans.event(req.span, "preempted", event.timestamp, {  # type: ignore[union-attr]
+                "ordinal": req.num_preemptions,
+                "num_computed_tokens": event.num_computed_tokens,
+                "reason": event.reason,
+            })
+
+    def first_token(self, req: RequestState, ts: float) -> None:
+        self.metrics.ttft(ts - req.arrival, req.exemplar, req.ctx)
+        self.metrics.prompt_tokens(req.prompt_tokens)
+        if req.span is not None:
+            self.spans.event(req.span, "first_token", ts, {})  # type: ignore[union-attr]
+
+    def tokens(self, req: RequestState, n: int, itl: Optional[float]) -> None:
+        self.metrics.generation_tokens(n)
+        if itl is not None:
+            self.metrics.itl(itl, req.exemplar, req.ctx)
+
+    def request_finished(self, req: RequestState, summary: RequestSummary, event: RequestEvent) -> None:
+        extra = None
+        if self.spans is not None:
+            output = self.spans.content(event.output_text)
+            if output is not None:
+                extra = {"gen_ai.completion": output}
+        self._finish(req, summary, extra)
+
+    def request_evicted(self, req: RequestState) -> None:
+        self.dropped(t.EVICTED, req)
+        if req.span is not None:
+            self.spans.abandon(req.span, req.last_ts, "evicted")  # type: ignore[union-attr]
+
+    def dropped(self, reason: str, event: Any) -> None:
+        self.metrics.dropped(reason)
+        self._drops.note(reason, event)
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _start_span(self, req: RequestState, carrier: Any, attributes: dict[str, Any]) -> None:
+        if self.spans is None:
+            req.exemplar, req.ctx = ((None, None) if self._always_on else None), _EMPTY_CONTEXT
+            return
+        if req.max_tokens > 0:
+            attributes["gen_ai.request.max_tokens"] = req.max_tokens
+        req.span = self.spans.start(req.request_id, req.arrival, carrier, attributes)
+        req.exemplar, req.ctx = self.spans.exemplar(req.span)
+
+    def _finish(self, req: RequestState, summary: RequestSummary, extra: Optional[dict[str, Any]]) -> None:
+        self.metrics.finished(summary.histogram_values(), summary.finish_reason, summary.num_preemptions,
+                              req.exemplar, req.ctx)
+        if req.span is not None:
+            self.spans.end(req.span, summary, extra)  # type: ignore[union-attr]
+
+    def _internal_error(self, event: Any) -> None:
+        try:
+            self.metrics.dropped(t.INTERNAL_ERROR)
+            self._drops.note(t.INTERNAL_ERROR, event, exc_info=True)
+        except Exception:  # noqa: BLE001 - the last line of defence
+            pass
+
+
+def _valid_step(stats: StepStats) -> bool:
+    try:
+        return (t.is_count(stats.num_running) and t.is_count(stats.num_waiting)
+                and t.is_count(stats.num_batched_tokens) and 0.0 <= stats.kv_cache_usage <= 1.0)
+    except (TypeError, AttributeError):
+        return False
