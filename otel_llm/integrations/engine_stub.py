@@ -1,0 +1,32 @@
+"""engine_stub plugin: registered as entry point ``otel`` in group ``engine_stub.plugins``.
+
+engine_stub calls ``register(engine)`` at start-up, so installing otel-llm instruments the engine
+with no code change; the telemetry is configured from the environment (``OTEL_*``,
+``OTEL_LLM_*``). Code that wants its own settings calls ``register`` itself with a config.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+from ..config import TelemetryConfig
+from ..providers import TelemetryHandle, setup_telemetry
+
+MODEL_NAME = "engine_stub-tiny"  # the model_name label unless OTEL_LLM_MODEL_NAME says otherwise
+
+
+def register(engine: Any, config: Optional[TelemetryConfig] = None, **setup_kwargs: Any) -> TelemetryHandle:
+    """Build the telemetry and subscribe it to ``engine.hooks``.
+
+    The handle is kept as ``engine.telemetry_handle``: ``engine.telemetry_handle.shutdown()``
+    flushes and stops exporters and the Prometheus endpoint. ``setup_kwargs`` go to
+    :func:`otel_llm.setup_telemetry` (e.g. ``extra_metric_readers``).
+    """
+    if config is None:
+        overrides = {} if os.environ.get("OTEL_LLM_MODEL_NAME") else {"model_name": MODEL_NAME}
+        config = TelemetryConfig.from_env(**overrides)
+    handle = setup_telemetry(config, **setup_kwargs)
+    engine.hooks.subscribe(handle.telemetry)
+    engine.telemetry_handle = handle
+    return handle
