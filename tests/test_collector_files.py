@@ -439,3 +439,11 @@ def test_compose_publishes_ports_on_loopback_only():
             assert str(port).startswith("127.0.0.1:"), f"{name}: {port}"
     published = {p.split(":")[1] for p in load_yaml(COMPOSE)["services"]["otel-collector"]["ports"]}
     assert {"4317", "4318"} <= published
+
+
+def test_readme_documents_every_rule_and_alert():
+    readme = (COLLECTOR / "README.md").read_text()
+    for rule in _rules():
+        name = rule.get("record") or rule.get("alert")
+        assert f"`{name}" in readme, f"collector/README.md does not mention {name}"
+    assert "not run here" in readme.lower() and "--enable-feature=exemplar-storage" in readme
