@@ -39,6 +39,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.running: list[Request] = []
         self.waiting: deque[Request] = deque()
+        self.num_preemptions = 0  # since start, over all requests
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -83,6 +84,7 @@ class Scheduler:
         self.kv_cache.free(request.block_table)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        self.num_preemptions += 1
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
         return lost
