@@ -97,7 +97,7 @@ METRICS: tuple[MetricDef, ...] = (
               "llm.server.requests.running", "Requests running in the last engine step."),
     MetricDef("num_requests_waiting", "gauge", "{request}", "vllm:num_requests_waiting",
               "llm.server.requests.waiting", "Requests waiting in the last engine step."),
-    MetricDef("kv_cache_usage_perc", "gauge", "1", "vllm:kv_cache_usage_perc", "llm.server.kv_cache.usage",
+    MetricDef("kv_cache_usage_perc", "gauge", "", "vllm:kv_cache_usage_perc", "llm.server.kv_cache.usage",
               "KV-cache usage, 0 to 1 (1 = full)."),
     MetricDef("e2e_request_latency_seconds", "histogram", "s", "vllm:e2e_request_latency_seconds",
               "gen_ai.server.request.duration", "Arrival to finish.", buckets=_latency,

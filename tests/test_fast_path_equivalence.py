@@ -1,0 +1,67 @@
+"""The in-process aggregation must produce exactly the data points of the straightforward SDK path.
+
+Both run on the same events (many requests, preemptions, tokens, steps, drops), on providers
+built with the same otel_llm.views(config); every data point is compared field by field except
+timestamps. Exemplars are compared by (value, trace id, span id) after mapping each path's
+trace ids to request ids (the two paths create different spans).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from otel_llm import StepStats, TelemetryConfig
+from tests.otel_helpers import E, RequestEvent, lifecycle, rig
+
+
+def workload(seed: int = 7):
+    rnd = random.Random(seed)
+    batches = []
+    for i in range(60):
+        evs = lifecycle(f"r{i}", 10.0 + i * 0.37, preemptions=rnd.choice((0, 0, 0, 1, 2, 5, 12)),
+                        tokens=rnd.randint(1, 40), prompt_tokens=rnd.randint(1, 3000),
+                        max_tokens=rnd.choice((0, 64, 2048)), finish_reason=rnd.choice(("stop", "length", "abort")))
+        batches.append(evs)
+    batches.append([RequestEvent(E.TOKENS, "ghost", 1.0, num_tokens=1)])
+    steps = [StepStats(float(i), rnd.randint(0, 9), rnd.randint(0, 9), rnd.random(), rnd.randint(0, 5000))
+             for i in range(40)]
+    return batches, steps
+
+
+def comparable(r, span_ids):
+    out = {}
+    for name, points in r.metrics().items():
+        for p in points:
+            key = (name, tuple(sorted(p.attributes.items())))
+            if hasattr(p, "bucket_counts"):
+                exemplars = sorted((e.value, span_ids.get(e.trace_id)) for e in p.exemplars)
+                out[key] = (p.bucket_counts, p.explicit_bounds, p.count, pytest.approx(p.sum), p.min, p.max, exemplars)
+            else:
+                out[key] = p.value
+    return out
+
+
+def run(fast_path: bool, naming: str, delta: bool):
+    r = rig(TelemetryConfig(model_name="tiny", naming=naming), fast_path=fast_path, delta=delta)
+    batches, steps = workload()
+    snapshots = []
+    for i, batch in enumerate(batches):
+        r.telemetry.on_events(batch)
+        r.telemetry.on_step(steps[i % len(steps)])
+        if i % 20 == 19:  # several collections: delta intervals and exemplar resets are exercised
+            span_ids = {s.context.trace_id: s.attributes["gen_ai.request.id"] for s in r.spans.get_finished_spans()}
+            snapshots.append(comparable(r, span_ids))
+    return snapshots
+
+
+@pytest.mark.parametrize("naming", ["vllm", "semconv"])
+@pytest.mark.parametrize("delta", [False, True], ids=["cumulative", "delta"])
+def test_fast_path_equals_sdk_path(naming, delta):
+    fast, sdk = run(True, naming, delta), run(False, naming, delta)
+    assert len(fast) == len(sdk) == 3
+    for f, s in zip(fast, sdk):
+        assert f.keys() == s.keys()
+        for key in f:
+            assert f[key] == s[key], key
