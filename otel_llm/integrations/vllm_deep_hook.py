@@ -1,0 +1,243 @@
+"""Opt-in deep hook into vLLM: exact preemption times (``OTEL_LLM_VLLM_DEEP_HOOK=1``).
+
+vLLM's stat loggers only get ``FinishedRequestStats.num_preemptions``: the per-request
+``EngineCoreEvent`` timestamps (QUEUED / SCHEDULED / PREEMPTED) are consumed by
+``IterationStats.update_from_events`` in the output processor and dropped. This hook wraps two
+methods of vLLM's ``IterationStats`` (an internal class, not a stable interface):
+
+* ``update_from_events(req_id, events, is_prefilling, req_stats, ...)``: after vLLM's own
+  processing, the events' ``(type, timestamp)`` are appended to a small trace kept on vLLM's
+  per-request ``RequestStateStats`` object (so it lives and dies with the request);
+* ``update_from_finished_request(..., req_stats, ...)``: after vLLM appended its
+  ``FinishedRequestStats``, the trace is attached to it, where the stat logger
+  (:mod:`otel_llm.integrations.vllm`) finds it: one ``preempted`` span event at each real
+  PREEMPTED timestamp, the exact preempted time, the real arrival time and TTFT of the request.
+
+Guards: the vLLM version must be in the tested range (``>= 0.10, < 0.34``; ``=force`` skips the
+version check) and both targets must have the expected parameters. When it cannot attach, it
+says so once (a warning) and the plugin falls back to metrics plus one span per finished
+request with the exact preemption count. Loaded in every vLLM process through the
+``vllm.general_plugins`` entry point (``register``); the stat logger also installs it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import threading
+from typing import Any, Callable, Optional
+
+_log = logging.getLogger(__name__)
+
+ENV = "OTEL_LLM_VLLM_DEEP_HOOK"
+TESTED_VERSIONS = ((0, 10), (0, 34))  # [min, max)
+TRACE_ATTR = "_otel_llm_trace"
+_MARK = "__otel_llm_deep_hook__"
+# vLLM's EngineCoreEventType values (IntEnum): QUEUED=1, SCHEDULED=2, PREEMPTED=3.
+QUEUED, SCHEDULED, PREEMPTED = 1, 2, 3
+
+_lock = threading.Lock()
+_state: dict[str, Any] = {"installed": False, "failed": None, "originals": None}
+
+
+def enabled(environ: Optional[dict] = None) -> bool:
+    value = (environ if environ is not None else os.environ).get(ENV, "").strip().lower()
+    return value in ("1", "true", "yes", "on", "force")
+
+
+def _forced() -> bool:
+    return os.environ.get(ENV, "").strip().lower() == "force"
+
+
+def register() -> None:
+    """``vllm.general_plugins`` entry point: install when enabled; never raises into vLLM."""
+    try:
+        if enabled():
+            install()
+    except Exception:  # pragma: no cover - defensive
+        _log.exception("otel-llm deep hook: registration failed; falling back")
+
+
+class RequestTrace:
+    """What the hook saw of one request: its engine-core events, arrival time and TTFT."""
+
+    __slots__ = ("events", "arrival_time", "first_token_latency")
+
+    def __init__(self) -> None:
+        self.events: list[tuple[int, float]] = []  # (EngineCoreEventType value, monotonic ts)
+        self.arrival_time: Optional[float] = None  # wall clock (vLLM frontend)
+        self.first_token_latency: Optional[float] = None
+
+    @property
+    def preempted_at(self) -> tuple[float, ...]:
+        return tuple(ts for kind, ts in self.events if kind == PREEMPTED)
+
+    def preempted_time(self, finish_time: float) -> float:
+        """Sum over preemptions of (next SCHEDULED - PREEMPTED); a request still waiting at
+        its finish (aborted) counts until ``finish_time`` (same monotonic clock)."""
+        total = 0.0
+        since: Optional[float] = None
+        for kind, ts in self.events:
+            if kind == PREEMPTED and since is None:
+                since = ts
+            elif kind == SCHEDULED and since is not None:
+                total += max(0.0, ts - since)
+                since = None
+        if since is not None:
+            total += max(0.0, finish_time - since)
+        return total
+
+
+def trace_of(finished_stats: Any) -> Optional[RequestTrace]:
+    """The trace the hook attached to vLLM's ``FinishedRequestStats``, if any."""
+    trace = getattr(finished_stats, TRACE_ATTR, None)
+    return trace if isinstance(trace, RequestTrace) else None
+
+
+def _version_ok() -> tuple[bool, str]:
+    try:
+        import vllm
+
+        version = str(getattr(vllm, "__version__", "0"))
+    except Exception as exc:
+        return False, f"vLLM is not importable ({exc!r})"
+    parts = []
+    for piece in version.split(".")[:2]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    parsed = tuple(parts + [0] * (2 - len(parts)))
+    low, high = TESTED_VERSIONS
+    if not (low <= parsed < high):
+        return False, f"vLLM {version} is outside the tested range {low}..<{high} (set {ENV}=force to try)"
+    return True, version
+
+
+def _params(fn: Callable) -> list[str]:
+    return list(inspect.signature(fn).parameters)
+
+
+def _shape_ok(stats_cls: type) -> Optional[str]:
+    ufe = getattr(stats_cls, "update_from_events", None)
+    ufr = getattr(stats_cls, "update_from_finished_request", None)
+    if ufe is None or ufr is None:
+        return "IterationStats.update_from_events / update_from_finished_request not found"
+    p = _params(ufe)
+    if p[:5] != ["self", "req_id", "events", "is_prefilling", "req_stats"]:
+        return f"IterationStats.update_from_events has parameters {p}"
+    q = _params(ufr)
+    if "req_stats" not in q or "request_id" not in q:
+        return f"IterationStats.update_from_finished_request has parameters {q}"
+    try:
+        probe = stats_cls()
+    except Exception as exc:
+        return f"IterationStats() cannot be built ({exc!r})"
+    if not isinstance(getattr(probe, "finished_requests", None), list):
+        return "IterationStats has no finished_requests list"
+    return None
+
+
+def install() -> bool:
+    """Wrap vLLM's IterationStats (idempotent). False, with one warning, when it cannot."""
+    with _lock:
+        if _state["installed"]:
+            return True
+        if _state["failed"] is not None:
+            return False
+        try:
+            reason = _install()
+        except Exception as exc:
+            reason = f"unexpected error {exc!r}"
+        if reason is None:
+            _state["installed"] = True
+            _log.info("otel-llm deep hook: attached to vLLM's IterationStats (per-preemption timing on)")
+            return True
+        _state["failed"] = reason
+        _log.warning("otel-llm deep hook: not attached (%s); falling back to stat-logger data "
+                     "(exact preemption counts, no per-preemption timestamps)", reason)
+        return False
+
+
+def _install() -> Optional[str]:
+    if not _forced():
+        ok, why = _version_ok()
+        if not ok:
+            return why
+    from vllm.v1.metrics import stats as vstats
+
+    cls = getattr(vstats, "IterationStats", None)
+    if cls is None:
+        return "vllm.v1.metrics.stats.IterationStats not found"
+    if getattr(cls.update_from_events, _MARK, False):
+        return None  # already wrapped (e.g. by another copy of this module)
+    problem = _shape_ok(cls)
+    if problem:
+        return problem
+
+    orig_events = cls.update_from_events
+    orig_finished = cls.update_from_finished_request
+    finished_params = _params(orig_finished)
+    req_stats_pos = finished_params.index("req_stats")  # self included
+    warned: set[str] = set()
+
+    def warn_once(what: str, exc: BaseException) -> None:
+        if what not in warned:
+            warned.add(what)
+            _log.warning("otel-llm deep hook: %s failed (%r); that request keeps the fallback data", what, exc)
+
+    def update_from_events(self: Any, req_id: Any, events: Any, is_prefilling: Any, req_stats: Any,
+                           *args: Any, **kwargs: Any) -> Any:
+        result = orig_events(self, req_id, events, is_prefilling, req_stats, *args, **kwargs)
+        try:
+            if events:
+                trace = getattr(req_stats, TRACE_ATTR, None)
+                if trace is None:
+                    trace = RequestTrace()
+                    setattr(req_stats, TRACE_ATTR, trace)
+                trace.events.extend((int(e.type), float(e.timestamp)) for e in events)
+        except Exception as exc:
+            warn_once("recording engine-core events", exc)
+        return result
+
+    def update_from_finished_request(self: Any, *args: Any, **kwargs: Any) -> Any:
+        before = len(self.finished_requests)
+        result = orig_finished(self, *args, **kwargs)
+        try:
+            req_stats = kwargs.get("req_stats")
+            if req_stats is None and len(args) >= req_stats_pos:
+                req_stats = args[req_stats_pos - 1]
+            if req_stats is not None and len(self.finished_requests) > before:
+                trace = getattr(req_stats, TRACE_ATTR, None) or RequestTrace()
+                trace.arrival_time = getattr(req_stats, "arrival_time", None)
+                ftl = getattr(req_stats, "first_token_latency", None)
+                trace.first_token_latency = ftl if isinstance(ftl, (int, float)) and ftl > 0 else None
+                setattr(self.finished_requests[-1], TRACE_ATTR, trace)
+        except Exception as exc:
+            warn_once("attaching the trace to FinishedRequestStats", exc)
+        return result
+
+    for wrapper, orig in ((update_from_events, orig_events), (update_from_finished_request, orig_finished)):
+        wrapper.__name__ = orig.__name__
+        wrapper.__qualname__ = orig.__qualname__
+        wrapper.__doc__ = orig.__doc__
+        setattr(wrapper, _MARK, True)
+        setattr(wrapper, "__wrapped__", orig)
+    _state["originals"] = (cls, orig_events, orig_finished)
+    cls.update_from_events = update_from_events
+    cls.update_from_finished_request = update_from_finished_request
+    return None
+
+
+def uninstall() -> None:
+    """Restore vLLM's methods and forget a failed attempt (tests)."""
+    with _lock:
+        originals = _state["originals"]
+        if originals is not None:
+            cls, orig_events, orig_finished = originals
+            cls.update_from_events = orig_events
+            cls.update_from_finished_request = orig_finished
+        _state.update(installed=False, failed=None, originals=None)
+
+
+def is_installed() -> bool:
+    return bool(_state["installed"])

@@ -1,0 +1,63 @@
+"""Both sides as Prometheus-style samples: {(sample name, frozenset(labels)): value}."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+Key = tuple[str, frozenset]
+
+
+def _le(bound: float) -> float:
+    return float(bound)
+
+
+def vllm_samples(families: set[str]) -> dict[Key, float]:
+    """vLLM's PrometheusStatLogger, from prometheus_client's global registry."""
+    from prometheus_client import REGISTRY
+
+    out: dict[Key, float] = {}
+    for metric in REGISTRY.collect():
+        if metric.name not in families:
+            continue
+        for s in metric.samples:
+            if s.name.endswith("_created"):
+                continue
+            labels = dict(s.labels)
+            if "le" in labels:
+                labels["le"] = _le(float(labels["le"]))
+            out[(s.name, frozenset(labels.items()))] = float(s.value)
+    return out
+
+
+def otel_samples(reader: Any, families: set[str]) -> dict[Key, float]:
+    """Ours, from an InMemoryMetricReader, in the same shape (cumulative ``le`` buckets)."""
+    from opentelemetry.sdk.metrics.export import Gauge, Histogram, Sum
+
+    data = reader.get_metrics_data()
+    out: dict[Key, float] = {}
+    for rm in data.resource_metrics if data else ():
+        for sm in rm.scope_metrics:
+            for m in sm.metrics:
+                if m.name not in families:
+                    continue
+                for p in m.data.data_points:
+                    labels = {k: str(v) for k, v in p.attributes.items()}
+                    if isinstance(m.data, Histogram):
+                        running = 0
+                        for bound, n in zip(list(p.explicit_bounds) + [math.inf], p.bucket_counts):
+                            running += n
+                            le = frozenset({**labels, "le": _le(bound)}.items())
+                            out[(m.name + "_bucket", le)] = float(running)
+                        out[(m.name + "_sum", frozenset(labels.items()))] = float(p.sum)
+                        out[(m.name + "_count", frozenset(labels.items()))] = float(p.count)
+                    elif isinstance(m.data, Sum):
+                        out[(m.name + "_total", frozenset(labels.items()))] = float(p.value)
+                    elif isinstance(m.data, Gauge):
+                        out[(m.name, frozenset(labels.items()))] = float(p.value)
+    return out
+
+
+def otel_family_names(reader: Any) -> set[str]:
+    data = reader.get_metrics_data()
+    return {m.name for rm in (data.resource_metrics if data else ()) for sm in rm.scope_metrics for m in sm.metrics}

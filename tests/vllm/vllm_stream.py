@@ -1,0 +1,188 @@
+"""A scripted engine-core stream for vLLM's real frontend path.
+
+What vLLM's engine core would send: per step, one ``EngineCoreOutput`` per request that produced
+a token, carrying the request's pending ``EngineCoreEvent``s (QUEUED, SCHEDULED, PREEMPTED,
+SCHEDULED again on resume: the scheduler attaches them to the request's next output). The
+stream goes through vLLM's real ``OutputProcessor.process_outputs`` (which feeds the real
+``IterationStats``) and then ``StatLoggerManager.record``, as ``AsyncLLM``'s output handler does.
+Timestamps are synthetic (engine clock ``T0 + step * DT``) so that every value is known.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+DT = 0.1  # seconds per engine step
+
+
+@dataclass
+class Spec:
+    rid: str
+    arrive: int  # step at which the request arrives (QUEUED)
+    queue: int  # steps waiting before its first SCHEDULED
+    prompt: int  # prompt tokens
+    tokens: int  # output tokens produced
+    preempt_after: tuple[int, ...] = ()  # preempted after this many output tokens (0: during prefill)
+    wait: int = 2  # steps back in the queue after each preemption
+    max_tokens: Optional[int] = None
+    cached: int = 0  # prefix-cache hits (prompt tokens not computed)
+    finish: str = "length"  # FinishReason name, lower case
+
+    @property
+    def num_preemptions(self) -> int:
+        return len(self.preempt_after)
+
+
+@dataclass
+class Output:
+    step: int
+    rid: str
+    events: list  # [(EngineCoreEventType name, timestamp)]
+    first: bool
+    last: bool
+
+
+@dataclass
+class Script:
+    specs: list[Spec]
+    t0: float  # engine-core monotonic clock at step 0
+    w0: float  # wall clock at step 0 (arrival times, iteration timestamps)
+    outputs: dict[int, list[Output]] = field(default_factory=dict)
+    preempted_at: dict[str, list[float]] = field(default_factory=dict)  # exact PREEMPTED timestamps
+    preempted_time: dict[str, float] = field(default_factory=dict)  # exact time back in the queue
+    finish_step: dict[str, int] = field(default_factory=dict)
+    last_step: int = 0
+
+    def ts(self, step: int) -> float:
+        return self.t0 + step * DT
+
+
+def build(specs: list[Spec], t0: float, w0: float) -> Script:
+    script = Script(specs, t0, w0)
+    for spec in specs:
+        s = spec.arrive
+        pending = [("QUEUED", script.ts(s) + 0.0001)]
+        s += spec.queue
+        pending.append(("SCHEDULED", script.ts(s) + 0.0002))
+        produced = 0
+        preempts = sorted(spec.preempt_after)
+        script.preempted_at[spec.rid] = []
+        script.preempted_time[spec.rid] = 0.0
+        while produced < spec.tokens:
+            while preempts and preempts[0] == produced:
+                preempts.pop(0)
+                t_pre = script.ts(s) + 0.0003
+                pending.append(("PREEMPTED", t_pre))
+                s += spec.wait
+                t_res = script.ts(s) + 0.0002
+                pending.append(("SCHEDULED", t_res))
+                script.preempted_at[spec.rid].append(t_pre)
+                script.preempted_time[spec.rid] += t_res - t_pre
+            out = Output(s, spec.rid, pending, first=produced == 0, last=produced + 1 == spec.tokens)
+            script.outputs.setdefault(s, []).append(out)
+            pending = []
+            produced += 1
+            s += 1
+        assert not preempts, f"{spec.rid}: preempt_after beyond its tokens"
+        script.finish_step[spec.rid] = s - 1
+        script.last_step = max(script.last_step, s)
+    return script
+
+
+def engine_core_output(spec: Spec, out: Output) -> Any:
+    from vllm.v1.engine import EngineCoreEvent, EngineCoreEventType, EngineCoreOutput, FinishReason
+    from vllm.v1.metrics.stats import PrefillStats
+
+    events = [EngineCoreEvent(EngineCoreEventType[name], ts) for name, ts in out.events] or None
+    prefill = None
+    if out.first:
+        prefill = PrefillStats()
+        prefill.set(spec.prompt, spec.cached, 0)
+    return EngineCoreOutput(
+        request_id=spec.rid,
+        new_token_ids=[7],
+        finish_reason=FinishReason[spec.finish.upper()] if out.last else None,
+        events=events,
+        prefill_stats=prefill,
+    )
+
+
+def engine_core_request(spec: Spec, arrival_time: float) -> Any:
+    from vllm import SamplingParams
+    from vllm.v1.engine import EngineCoreRequest
+
+    return EngineCoreRequest(
+        request_id=spec.rid,
+        prompt_token_ids=[5] * spec.prompt,
+        mm_features=None,
+        sampling_params=SamplingParams(max_tokens=spec.max_tokens, detokenize=False, ignore_eos=True),
+        pooling_params=None,
+        arrival_time=arrival_time,
+        lora_request=None,
+        cache_salt=None,
+        data_parallel_rank=None,
+        external_req_id=spec.rid,
+    )
+
+
+def scheduler_stats(script: Script, step: int, outs: list[Output]) -> Any:
+    from vllm.v1.metrics.stats import SchedulerStats
+
+    running = {o.rid for o in outs}
+    waiting = sum(1 for spec in script.specs
+                  if spec.arrive <= step <= script.finish_step[spec.rid] and spec.rid not in running)
+    skipped = 1 if step % 4 == 3 else 0
+    return SchedulerStats(
+        num_running_reqs=len(outs),
+        num_waiting_reqs=max(0, waiting - skipped),
+        num_skipped_waiting_reqs=skipped,
+        kv_cache_usage=min(1.0, 0.125 * len(outs) + 0.01 * (step % 7)),
+    )
+
+
+def run(manager: Any, streams: dict[int, Script]) -> None:
+    """Drive the scripts of several engines (engine index -> script) through one real
+    OutputProcessor and ``manager.record`` (as AsyncLLM's output handler does)."""
+    from vllm.v1.engine.output_processor import OutputProcessor
+    from vllm.v1.metrics.stats import IterationStats
+
+    processor = OutputProcessor(None, log_stats=True)
+    specs = {idx: {s.rid: s for s in script.specs} for idx, script in streams.items()}
+    last = max(script.last_step for script in streams.values())
+    for step in range(last + 1):
+        for idx, script in streams.items():
+            for spec in script.specs:
+                if spec.arrive == step:
+                    processor.add_request(engine_core_request(spec, script.w0 + step * DT), None)
+            outs = script.outputs.get(step, [])
+            engine_outputs = [engine_core_output(specs[idx][o.rid], o) for o in outs]
+            iteration_stats = IterationStats() if engine_outputs else None
+            if iteration_stats is not None:
+                iteration_stats.iteration_timestamp = script.w0 + step * DT + 0.0005
+            processed = processor.process_outputs(engine_outputs, script.ts(step), iteration_stats)
+            assert not processed.reqs_to_abort
+            sched = scheduler_stats(script, step, outs) if step % 5 != 2 or not outs else None
+            processor.update_scheduler_stats(sched)
+            if sched is not None or iteration_stats is not None:
+                manager.record(engine_idx=idx, scheduler_stats=sched, iteration_stats=iteration_stats,
+                               mm_cache_stats=None)
+    assert not processor.has_unfinished_requests()
+
+
+# Requests with 0, 1, 2 and 7 preemptions (in prefill and in decode), finishes by length,
+# stop and abort, a prefix-cache hit, max_tokens unset, and enough spread to fill several
+# buckets of each histogram.
+def default_specs(prefix: str = "") -> list[Spec]:
+    return [
+        Spec(prefix + "r0", arrive=0, queue=0, prompt=12, tokens=6, max_tokens=6),
+        Spec(prefix + "r0b", arrive=1, queue=3, prompt=300, tokens=3, max_tokens=None, finish="stop"),
+        Spec(prefix + "r1", arrive=1, queue=1, prompt=40, tokens=8, preempt_after=(3,), max_tokens=8),
+        Spec(prefix + "r2", arrive=2, queue=0, prompt=64, tokens=5, preempt_after=(0, 2), wait=4,
+             max_tokens=20, cached=32, finish="stop"),
+        Spec(prefix + "r7", arrive=2, queue=5, prompt=900, tokens=12, preempt_after=(0, 1, 1, 3, 5, 5, 9),
+             wait=3, max_tokens=12),
+        Spec(prefix + "r1b", arrive=6, queue=12, prompt=7, tokens=1, preempt_after=(0,), wait=30, max_tokens=4,
+             finish="abort"),
+        Spec(prefix + "r0c", arrive=9, queue=2, prompt=2, tokens=40, max_tokens=40),
+    ]
