@@ -1,0 +1,156 @@
+"""`otel-llm demo`, run small: what its summary says is what its /metrics endpoint serves."""
+
+from __future__ import annotations
+
+import math
+import queue
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import urllib.request
+from itertools import accumulate
+from pathlib import Path
+
+import pytest
+
+from otel_llm.cli import bar_chart, bucket_labels
+
+READY_TIMEOUT = 120  # seconds: the run itself takes about one
+
+
+def demo_command() -> list[str]:
+    script = Path(sys.executable).with_name("otel-llm")  # the installed console script
+    if script.exists():
+        return [str(script), "demo"]
+    found = shutil.which("otel-llm")
+    return [found, "demo"] if found else [sys.executable, "-m", "otel_llm.cli", "demo"]
+
+
+def read_until_serving(proc: subprocess.Popen[str]) -> tuple[list[str], str]:
+    """Summary lines, and the URL from the 'serving' line that says the endpoint is up."""
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line.rstrip("\n"))
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    seen = []
+    while True:
+        line = lines.get(timeout=READY_TIMEOUT)
+        if line is None:
+            pytest.fail("demo ended before serving /metrics:\n" + "\n".join(seen))
+        match = re.match(r"serving (http://\S+/metrics) for", line)
+        if match:
+            return seen, match.group(1)
+        seen.append(line)
+
+
+def parse_summary(lines: list[str]) -> dict[str, object]:
+    fields = {}
+    for line in lines:
+        m = re.match(r"(requests|preemptions)\s+(\d+)$", line)
+        if m:
+            fields[m.group(1)] = int(m.group(2))
+    buckets = [
+        (m.group(1), int(m.group(2)))
+        for line in lines
+        if (m := re.match(r"\s+(\S+) \| #*\s+(\d+) \(", line))
+    ]
+    worst = [
+        (m.group(1), int(m.group(2)), m.group(3))
+        for line in lines
+        if (m := re.match(r"\s+(req-\d+)\s+(\d+) preemptions\s+trace_id ([0-9a-f]{32})$", line))
+    ]
+    return {**fields, "buckets": buckets, "worst": worst}
+
+
+def parse_scrape(text: str) -> dict[str, float]:
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, value = line.rsplit(" ", 1)
+            samples[key] = float(value)
+    return samples
+
+
+def one(samples: dict[str, float], prefix: str) -> float:
+    [value] = [v for k, v in samples.items() if k.startswith(prefix + "{")]
+    return value
+
+
+def test_demo_summary_matches_its_metrics_endpoint(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        demo_command()
+        + ["--requests", "40", "--prometheus-port", "0", "--serve-seconds", "300", "--no-progress"],
+        stdout=subprocess.PIPE,
+        stderr=(tmp_path / "stderr.txt").open("w"),
+        text=True,
+    )
+    try:
+        lines, url = read_until_serving(proc)
+        with urllib.request.urlopen(url, timeout=10) as response:
+            samples = parse_scrape(response.read().decode())
+        proc.send_signal(signal.SIGINT)  # stop serving: the demo shuts down cleanly
+        assert proc.wait(timeout=60) == 0, (tmp_path / "stderr.txt").read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+    summary = parse_summary(lines)
+    assert summary["requests"] == 40 == one(samples, "vllm:request_num_preemptions_count")
+    assert summary["preemptions"] == one(samples, "vllm:num_preemptions_total")
+    assert summary["preemptions"] == one(samples, "vllm:request_num_preemptions_sum")
+    assert summary["preemptions"] > 0  # the default KV cache is small enough to preempt
+
+    served = {
+        m.group(1): v
+        for k, v in samples.items()
+        if (m := re.match(r'vllm:request_num_preemptions_bucket\{.*le="([^"]+)"', k))
+    }
+    bounds = sorted((float(le) for le in served if le != "+Inf"))
+    labels = bucket_labels(bounds)
+    buckets = summary["buckets"]
+    assert [label for label, _ in buckets] == labels
+    cumulative = list(accumulate(count for _, count in buckets))
+    assert cumulative == [served[le] for le in sorted(served, key=float)]
+
+    worst = summary["worst"]
+    assert len(worst) == 5
+    # The worst request (read from its span) lies in the highest non-empty histogram bucket.
+    top = max(i for i, (_, count) in enumerate(buckets) if count > 0)
+    low = 0 if top == 0 else math.floor(bounds[top - 1]) + 1
+    high = math.floor(bounds[top]) if top < len(bounds) else math.inf
+    assert low <= worst[0][1] <= high
+    assert [count for _, count, _ in worst] == sorted((count for _, count, _ in worst), reverse=True)
+    assert len({trace for _, _, trace in worst}) == 5
+
+
+def test_bucket_labels_name_the_integers_each_bucket_holds() -> None:
+    assert bucket_labels([0.5, 1, 2, 3, 4, 5, 10, 20]) == [
+        "0", "1", "2", "3", "4", "5", "6-10", "11-20", "21+",
+    ]
+    assert bucket_labels([1, 2, 5]) == ["0-1", "2", "3-5", "6+"]
+
+
+def test_bar_chart_scales_to_the_largest_bucket() -> None:
+    lines = bar_chart(["0", "1", "2+"], [20, 10, 0])
+    assert [line.count("#") for line in lines] == [40, 20, 0]
+    assert lines[1].endswith("   10 ( 33.3%)")
+
+
+def test_plot_writes_the_chart_as_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("matplotlib")
+    from otel_llm.cli import main
+
+    chart = tmp_path / "chart.png"
+    argv = ["demo", "--requests", "10", "--prometheus-port", "0", "--no-progress", "--plot", str(chart)]
+    assert main(argv) == 0
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"chart written to {chart}" in capsys.readouterr().out
