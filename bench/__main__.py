@@ -1,0 +1,147 @@
+"""``python -m bench [--tiny] [--only SECTION ...] [--reps N] [--out PATH]``
+
+Runs the benchmark sections, writes bench/results.json (bench/results-tiny.json with --tiny)
+and prints a compact table. Every comparison runs side by side in this one process,
+interleaved, and is reported as medians and ratios: absolute numbers vary by machine and load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+from . import export, memory, per_event, throughput
+
+SECTIONS: dict[str, Callable[[bool, int], dict[str, Any]]] = {
+    "per_event": per_event.run,
+    "throughput": throughput.run,
+    "memory": memory.run,
+    "export": export.run,
+}
+HERE = Path(__file__).resolve().parent
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+    out = {"python": platform.python_version(), "machine": platform.machine(), "cpus": str(os.cpu_count())}
+    for pkg in ("opentelemetry-sdk", "prometheus_client", "torch", "otel-llm"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = "-"
+    return out
+
+
+def _clean(value: Any) -> Any:
+    """JSON-safe: sets to sorted lists, tuples to lists, NaN/inf to None."""
+    if isinstance(value, dict):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set)):
+        items = sorted(value) if isinstance(value, set) else value
+        return [_clean(v) for v in items]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    p.add_argument("--tiny", action="store_true", help="every benchmark in a tiny size (seconds), "
+                   "writes bench/results-tiny.json")
+    p.add_argument("--only", nargs="+", choices=list(SECTIONS), help="run only these sections")
+    p.add_argument("--reps", type=int, default=None, help="repetitions per comparison (default 7, tiny 2)")
+    p.add_argument("--out", type=Path, default=None, help="where to write the JSON")
+    p.add_argument("--no-profile", action="store_true", help="skip the cProfile of our subscriber")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.ERROR)
+    reps = args.reps or (2 if args.tiny else 7)
+    out_path = args.out or HERE / ("results-tiny.json" if args.tiny else "results.json")
+    results: dict[str, Any] = {"tiny": args.tiny, "versions": _versions(),
+                               "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    failed = []
+    for name in args.only or SECTIONS:
+        print(f"[bench] {name} ...", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        try:
+            results[name] = SECTIONS[name](args.tiny, reps)
+        except Exception as exc:  # noqa: BLE001 - record and go on with the other sections
+            traceback.print_exc()
+            results[name] = {"error": f"{type(exc).__name__}: {exc}"}
+            failed.append(name)
+        results[name]["seconds"] = round(time.perf_counter() - t0, 2)
+        print(f"[bench] {name} done in {results[name]['seconds']} s", file=sys.stderr, flush=True)
+    pe = results.get("per_event")
+    if pe and "ns_per_event" in pe and not args.no_profile:
+        mix = per_event.event_mix(num_steps=20 if args.tiny else 200, running=256)
+        results["profile"] = per_event.profile_ours(mix)
+        results["profile"]["targets_missed"] = [k for k, ok in pe["targets"].items() if not ok]
+    out_path.write_text(json.dumps(_clean(results), indent=1, sort_keys=False) + "\n")
+    print(table(results))
+    print(f"\nwrote {out_path}")
+    return 1 if failed else 0
+
+
+def _f(value: Any, fmt: str = "{:.0f}") -> str:
+    return fmt.format(value) if isinstance(value, (int, float)) and math.isfinite(value) else "-"
+
+
+def table(r: dict[str, Any]) -> str:
+    lines = []
+    pe = r.get("per_event", {})
+    if "ns_per_event" in pe:
+        ns, ra = pe["ns_per_event"], pe["ratios"]
+        lines += ["", f"1. per-event cost ({pe['events_timed']} events, {pe['repetitions']} interleaved reps, "
+                      f"sanity {'ok' if pe['sanity']['ok'] else 'MISMATCH'})",
+                  f"   {'subscriber':<22}{'ns/event':>10}{'/ (b) prom':>12}{'/ (a) floor':>13}"]
+        for name in ("floor", "prometheus_client", "naive_otel", "ours", "ours_spans"):
+            lines.append(f"   {name:<22}{_f(ns[name]):>10}{_f(ns[name] / ns['prometheus_client'], '{:.2f}x'):>12}"
+                         f"{_f(ns[name] / ns['floor'], '{:.2f}x'):>13}")
+        lines.append("   targets: " + ", ".join(f"{k}: {'met' if ok else 'MISSED'}" for k, ok in pe["targets"].items()))
+    tp = r.get("throughput", {})
+    if "tokens_per_s" in tp:
+        lines += ["", f"2. engine_stub throughput ({tp['requests']} requests, preemptions {tp['preemptions']}, "
+                      f"{tp['repetitions']} interleaved reps, receiver: {tp['receiver'].split(' ')[0]})",
+                  f"   {'variant':<22}{'tokens/s':>10}{'/ off':>12}{'paired':>13}"]
+        for name in ("off", "metrics", "full"):
+            rel = tp["tokens_per_s"][name] / tp["tokens_per_s"]["off"]
+            paired = tp["ratios_paired_median"].get(f"{name}/off", 1.0)
+            lines.append(f"   {name:<22}{_f(tp['tokens_per_s'][name]):>10}{_f(rel, '{:.3f}'):>12}"
+                         f"{_f(paired, '{:.3f}'):>13}")
+        lines.append("   targets: " + ", ".join(f"{k}: {'met' if ok else 'MISSED'}" for k, ok in tp["targets"].items()))
+    mem = r.get("memory", {})
+    if "bytes_per_inflight_request" in mem:
+        b, f = mem["bytes_per_inflight_request"], mem["rss_after_finished"]
+        lines += ["", "3. memory",
+                  "   bytes per in-flight request: " + ", ".join(f"{k} {_f(v)}" for k, v in b.items()),
+                  f"   RSS over {f['requests']:,} finished requests: first {f['rss_first_bytes'] / 2**20:.1f} MiB, "
+                  f"last {f['rss_last_bytes'] / 2**20:.1f} MiB, slope {_f(f['slope_bytes_per_request'], '{:.3f}')} "
+                  f"B/request ({_f(f['ns_per_event'])} ns/event)",
+                  "   targets: " + ", ".join(f"{k}: {'met' if ok else 'MISSED'}" for k, ok in mem["targets"].items())]
+    ex = r.get("export", {})
+    if "by_engines" in ex:
+        lines += ["", "4. scrape / export cost (ms per call, median; KiB)",
+                  f"   {'engines':>7}{'samples':>9}{'text ms':>9}{'KiB':>7}{'OM ms':>8}{'KiB':>7}{'collect':>9}"
+                  f"{'encode':>8}{'OTLP ms':>9}{'KiB':>7}"]
+        for n, row in ex["by_engines"].items():
+            lines.append(f"   {n:>7}{row['prometheus_samples']:>9}{_f(row['scrape_text_ms'], '{:.1f}'):>9}"
+                         f"{row['scrape_text_bytes'] / 1024:>7.0f}{_f(row['scrape_openmetrics_ms'], '{:.1f}'):>8}"
+                         f"{row['scrape_openmetrics_bytes'] / 1024:>7.0f}{_f(row['collect_ms'], '{:.1f}'):>9}"
+                         f"{_f(row['otlp_encode_ms'], '{:.1f}'):>8}{_f(row['otlp_export_ms'], '{:.1f}'):>9}"
+                         f"{row['otlp_bytes'] / 1024:>7.0f}")
+    for name in SECTIONS:
+        if isinstance(r.get(name), dict) and "error" in r[name]:
+            lines.append(f"\n{name}: ERROR {r[name]['error']}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
