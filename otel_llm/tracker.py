@@ -33,6 +33,9 @@ DROP_REASONS = (UNKNOWN_REQUEST, DUPLICATE_ARRIVAL, DUPLICATE_FINISH, AFTER_FINI
                 INVALID_VALUE, INVALID_TRANSITION, UNKNOWN_EVENT_TYPE, EVICTED, INTERNAL_ERROR)
 
 MAX_ID_LENGTH = 256  # longer request ids are rejected: ids go into span attributes
+# Timestamps are monotonic seconds (>= 0); beyond this (~317 years) a span time no longer fits
+# OTLP's uint64 nanoseconds and one such span fails the export of its whole batch.
+MAX_TIMESTAMP = 1e10
 
 
 class RequestState:
@@ -197,6 +200,9 @@ class Tracker:
         if not ts >= req.last_ts:  # also catches NaN
             self.sink.dropped(TIME_BACKWARDS if _finite(ts) else INVALID_VALUE, event)
             return
+        if ts > MAX_TIMESTAMP:  # +inf passes the check above and would poison every sum it reaches
+            self.sink.dropped(INVALID_VALUE, event)
+            return
         handler(event, req)
 
     def _unknown(self, event: RequestEvent) -> None:
@@ -215,7 +221,7 @@ class Tracker:
 
     def _arrived(self, event: RequestEvent) -> None:
         rid, ts = event.request_id, event.timestamp
-        if (type(rid) is not str or len(rid) > MAX_ID_LENGTH or not _finite(ts) or not is_count(event.prompt_tokens)
+        if (type(rid) is not str or len(rid) > MAX_ID_LENGTH or not _valid_time(ts) or not is_count(event.prompt_tokens)
                 or not is_count(event.max_tokens) or not is_count(event.num_cached_tokens)):
             self.sink.dropped(INVALID_VALUE, event)
             return
@@ -306,6 +312,13 @@ class Tracker:
         requests = list(self.inflight.values())
         self.inflight.clear()
         return requests
+
+
+def _valid_time(value: Any) -> bool:
+    try:
+        return 0 <= value <= MAX_TIMESTAMP  # False for NaN
+    except TypeError:
+        return False
 
 
 def _finite(value: Any) -> bool:
