@@ -1,0 +1,149 @@
+"""The opt-in deep hook: one ``preempted`` span event per PREEMPTED EngineCoreEvent, at its
+timestamp; the exact preempted time; a guarded fallback when it cannot attach."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+from samples import otel_samples
+from vllm_stream import build, default_specs, run
+
+
+def _manager(vllm_config, engine_idxs=(0,)):
+    from vllm.v1.metrics.loggers import StatLoggerManager, load_stat_logger_plugin_factories
+
+    from otel_llm.integrations.vllm import OtelStatLogger
+
+    manager = StatLoggerManager(vllm_config, engine_idxs=list(engine_idxs),
+                                custom_stat_loggers=load_stat_logger_plugin_factories(), enable_default_loggers=False)
+    (ours,) = [s for s in manager.stat_loggers if isinstance(s, OtelStatLogger)]
+    return manager, ours
+
+
+def _spans_by_request(o):
+    return {s.attributes["gen_ai.request.id"]: s for s in o.spans.get_finished_spans()}
+
+
+def test_deep_hook_puts_a_span_event_at_each_preemption(otel, vllm_config, monkeypatch):
+    monkeypatch.setenv("OTEL_LLM_VLLM_DEEP_HOOK", "1")
+    o = otel()
+    manager, ours = _manager(vllm_config)
+    from otel_llm.integrations import vllm_deep_hook
+
+    assert vllm_deep_hook.is_installed()
+    script = build(default_specs(), time.monotonic(), time.time())
+    run(manager, {0: script})
+
+    tel = ours.telemetry[0]
+    spans = _spans_by_request(o)
+    assert sorted(spans) == sorted(s.rid for s in script.specs)
+    total_events = 0
+    for spec in script.specs:
+        span = spans[spec.rid]
+        events = [e for e in span.events if e.name == "preempted"]
+        assert span.attributes["llm.request.num_preemptions"] == spec.num_preemptions
+        assert len(events) == spec.num_preemptions == len(script.preempted_at[spec.rid])
+        assert [e.timestamp for e in events] == [tel.spans.wall_ns(ts) for ts in script.preempted_at[spec.rid]]
+        assert [e.attributes["ordinal"] for e in events] == list(range(1, spec.num_preemptions + 1))
+        assert all(e.attributes["reason"] == "kv_cache_full" for e in events)
+        total_events += len(events)
+        # The span covers the request: from vLLM's (wall-clock) arrival to the finishing iteration.
+        arrival_wall = script.w0 + spec.arrive * 0.1
+        assert abs(span.start_time / 1e9 - arrival_wall) < 1e-3
+        if spec.num_preemptions:
+            assert span.attributes["llm.request.preempted_time"] == pytest.approx(
+                script.preempted_time[spec.rid], abs=1e-9)
+    assert total_events == 11
+
+    # The preempted-time histogram is exact: one observation per preempted request.
+    model = vllm_config.model_config.served_model_name
+    e0 = frozenset({"model_name": model, "engine": "0"}.items())
+    got = otel_samples(o.reader, {"vllm:request_preempted_time_seconds"})
+    preempted = [spec.rid for spec in script.specs if spec.num_preemptions]
+    assert got[("vllm:request_preempted_time_seconds_count", e0)] == len(preempted) == 4
+    assert got[("vllm:request_preempted_time_seconds_sum", e0)] == pytest.approx(
+        sum(script.preempted_time[r] for r in preempted), abs=1e-9)
+    assert ours.field_warnings == frozenset()
+
+
+def test_without_deep_hook_spans_carry_the_exact_count_only(otel, vllm_config):
+    o = otel()
+    manager, _ = _manager(vllm_config)
+    from otel_llm.integrations import vllm_deep_hook
+
+    assert not vllm_deep_hook.is_installed()
+    script = build(default_specs(), time.monotonic(), time.time())
+    run(manager, {0: script})
+    spans = _spans_by_request(o)
+    for spec in script.specs:
+        assert spans[spec.rid].attributes["llm.request.num_preemptions"] == spec.num_preemptions
+        assert [e for e in spans[spec.rid].events if e.name == "preempted"] == []
+        assert "llm.request.preempted_time" not in spans[spec.rid].attributes
+    # Preempted time unknown: not observed at all (rather than a wrong zero).
+    assert otel_samples(o.reader, {"vllm:request_preempted_time_seconds"}) == {}
+
+
+def test_deep_hook_refuses_an_untested_vllm_version_once_and_falls_back(otel, vllm_config, monkeypatch, caplog):
+    import vllm
+
+    monkeypatch.setenv("OTEL_LLM_VLLM_DEEP_HOOK", "1")
+    monkeypatch.setattr(vllm, "__version__", "0.99.0")
+    o = otel()
+    from vllm.v1.metrics.stats import IterationStats
+
+    original = IterationStats.update_from_events
+    with caplog.at_level(logging.WARNING, logger="otel_llm.integrations.vllm_deep_hook"):
+        manager, _ = _manager(vllm_config)
+        _manager(vllm_config)  # a second logger: no second warning
+        from otel_llm.integrations import vllm_deep_hook
+
+        vllm_deep_hook.register()  # nor from the general-plugin entry point
+    warnings = [r for r in caplog.records if r.name == "otel_llm.integrations.vllm_deep_hook"]
+    assert len(warnings) == 1 and "0.99.0" in warnings[0].getMessage() and "falling back" in warnings[0].getMessage()
+    assert IterationStats.update_from_events is original
+    script = build(default_specs()[:3], time.monotonic(), time.time())
+    run(manager, {0: script})
+    spans = _spans_by_request(o)
+    assert spans["r1"].attributes["llm.request.num_preemptions"] == 1
+    assert [e for e in spans["r1"].events if e.name == "preempted"] == []
+
+
+def test_deep_hook_refuses_a_changed_shape(otel, vllm_config, monkeypatch, caplog):
+    from vllm.v1.metrics.stats import IterationStats
+
+    def update_from_events(self, events, req_stats):  # a future vLLM's signature
+        pass
+
+    monkeypatch.setattr(IterationStats, "update_from_events", update_from_events)
+    monkeypatch.setenv("OTEL_LLM_VLLM_DEEP_HOOK", "1")
+    from otel_llm.integrations import vllm_deep_hook
+
+    with caplog.at_level(logging.WARNING, logger="otel_llm.integrations.vllm_deep_hook"):
+        assert vllm_deep_hook.install() is False
+        assert vllm_deep_hook.install() is False
+    warnings = [r for r in caplog.records if r.name == "otel_llm.integrations.vllm_deep_hook"]
+    assert len(warnings) == 1 and "update_from_events has parameters" in warnings[0].getMessage()
+    assert IterationStats.update_from_events is update_from_events
+
+
+def test_general_plugin_entry_point_installs_only_when_enabled(monkeypatch):
+    from vllm.plugins import load_plugins_by_group
+    from vllm.v1.metrics.stats import IterationStats
+
+    from otel_llm.integrations import vllm_deep_hook
+
+    register = load_plugins_by_group("vllm.general_plugins")["otel_llm_deep_hook"]
+    try:
+        register()
+        assert not vllm_deep_hook.is_installed()
+        monkeypatch.setenv("OTEL_LLM_VLLM_DEEP_HOOK", "1")
+        register()
+        register()  # idempotent
+        assert vllm_deep_hook.is_installed()
+        assert IterationStats.update_from_events.__wrapped__.__qualname__ == "IterationStats.update_from_events"
+        assert not hasattr(IterationStats.update_from_events.__wrapped__, "__wrapped__")
+    finally:
+        vllm_deep_hook.uninstall()
+    assert not hasattr(IterationStats.update_from_events, "__wrapped__")

@@ -1,0 +1,168 @@
+"""vLLM says its stats classes are not a stable interface: a field missing, renamed or retyped
+degrades only the metric that needs it, with one warning; nothing raises into vLLM."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import types
+
+import pytest
+from samples import otel_samples
+
+LOGGER = "otel_llm.integrations.vllm"
+
+
+def _logger(vllm_config):
+    from vllm.v1.metrics.loggers import StatLoggerManager, load_stat_logger_plugin_factories
+
+    from otel_llm.integrations.vllm import OtelStatLogger
+
+    manager = StatLoggerManager(vllm_config, custom_stat_loggers=load_stat_logger_plugin_factories(),
+                                enable_default_loggers=False)
+    (ours,) = [s for s in manager.stat_loggers if isinstance(s, OtelStatLogger)]
+    return manager, ours
+
+
+def _finished(**overrides):
+    from vllm.v1.engine import FinishReason
+    from vllm.v1.metrics.stats import FinishedRequestStats
+
+    values = dict(finish_reason=FinishReason.LENGTH, request_id="q1", e2e_latency=1.25, num_prompt_tokens=10,
+                  num_preemptions=2, num_generation_tokens=4, max_tokens_param=4, queued_time=0.5, prefill_time=0.25,
+                  inference_time=0.7, decode_time=0.45, mean_time_per_output_token=0.15)
+    values.update(overrides)
+    return FinishedRequestStats(**values)
+
+
+def _iteration(finished=()):
+    from vllm.v1.metrics.stats import IterationStats
+
+    it = IterationStats()
+    it.num_generation_tokens = 3
+    it.prompt_token_stats.computed = it.prompt_token_stats.total = 10
+    it.time_to_first_tokens_iter = [0.2]
+    it.inter_token_latencies_iter = [0.05, 0.06]
+    it.num_preempted_reqs = 1
+    it.finished_requests = list(finished)
+    return it
+
+
+def _ours(o, model, families):
+    return {(name, dict(labels).get("le")): v for (name, labels), v in otel_samples(o.reader, families).items()
+            if dict(labels).get("engine") == "0" and dict(labels).get("model_name") == model}
+
+
+def _warnings(caplog):
+    return [r.getMessage() for r in caplog.records if r.name == LOGGER and r.levelno == logging.WARNING]
+
+
+def test_renamed_iteration_field_degrades_that_metric_with_one_warning(otel, vllm_config, caplog):
+    o = otel()
+    manager, ours = _logger(vllm_config)
+    model = vllm_config.model_config.served_model_name
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        for _ in range(3):
+            it = _iteration()
+            it.itl_iter = it.__dict__.pop("inter_token_latencies_iter")  # renamed
+            ours.record(scheduler_stats=None, iteration_stats=it, engine_idx=0)
+    warnings = _warnings(caplog)
+    assert len(warnings) == 1
+    assert "IterationStats.inter_token_latencies_iter is missing" in warnings[0]
+    assert "vllm:inter_token_latency_seconds" in warnings[0]
+    assert ours.field_warnings == {("IterationStats", "inter_token_latencies_iter")}
+    got = _ours(o, model, {"vllm:inter_token_latency_seconds", "vllm:time_to_first_token_seconds",
+                           "vllm:generation_tokens", "vllm:num_preemptions"})
+    assert ("vllm:inter_token_latency_seconds_count", None) not in got  # degraded
+    assert got[("vllm:time_to_first_token_seconds_count", None)] == 3  # the rest goes on
+    assert got[("vllm:generation_tokens_total", None)] == 9
+    assert got[("vllm:num_preemptions_total", None)] == 3
+
+
+def test_missing_or_retyped_finished_request_field(otel, vllm_config, caplog):
+    o = otel()
+    manager, ours = _logger(vllm_config)
+    model = vllm_config.model_config.served_model_name
+    renamed = dataclasses.asdict(_finished())
+    renamed["queue_time"] = renamed.pop("queued_time")  # a future vLLM renames a field
+    renamed["finish_reason"] = _finished().finish_reason
+    renamed = types.SimpleNamespace(**renamed)
+    retyped = _finished(request_id="q2", decode_time="0.45")  # a field changes type
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        ours.record(scheduler_stats=None, iteration_stats=_iteration([renamed, retyped]), engine_idx=0)
+        ours.record(scheduler_stats=None, iteration_stats=_iteration([renamed, retyped]), engine_idx=0)
+    warnings = _warnings(caplog)
+    assert len(warnings) == 2, warnings
+    assert any("SimpleNamespace.queued_time is missing" in w and "vllm:request_queue_time_seconds" in w
+               for w in warnings)
+    assert any("FinishedRequestStats.decode_time has an unexpected value '0.45'" in w for w in warnings)
+    got = _ours(o, model, {"vllm:request_queue_time_seconds", "vllm:request_decode_time_seconds",
+                           "vllm:e2e_request_latency_seconds", "vllm:request_num_preemptions"})
+    assert got[("vllm:request_queue_time_seconds_count", None)] == 2  # only from the intact ones
+    assert got[("vllm:request_decode_time_seconds_count", None)] == 2
+    assert got[("vllm:e2e_request_latency_seconds_count", None)] == 4
+    assert got[("vllm:e2e_request_latency_seconds_sum", None)] == 5.0
+    assert got[("vllm:request_num_preemptions_count", None)] == 4
+    assert len(o.spans.get_finished_spans()) == 4
+
+
+def test_scheduler_stats_of_another_shape(otel, vllm_config, caplog):
+    o = otel()
+    manager, ours = _logger(vllm_config)
+    model = vllm_config.model_config.served_model_name
+    sched = types.SimpleNamespace(num_running_reqs=3, num_waiting_reqs=2, kv_usage=0.5)  # kv_cache_usage renamed
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        ours.record(scheduler_stats=sched, iteration_stats=None, engine_idx=0)
+        ours.record(scheduler_stats=sched, iteration_stats=None, engine_idx=0)
+    warnings = _warnings(caplog)
+    assert len(warnings) == 1 and "SimpleNamespace.kv_cache_usage is missing" in warnings[0]
+    got = _ours(o, model, {"vllm:num_requests_running", "vllm:num_requests_waiting"})
+    assert got == {("vllm:num_requests_running", None): 3.0, ("vllm:num_requests_waiting", None): 2.0}
+
+
+@pytest.mark.parametrize("garbage", [
+    (42, "not stats"),
+    (None, object()),
+    (types.SimpleNamespace(), types.SimpleNamespace(finished_requests=[object()])),
+    (types.SimpleNamespace(num_running_reqs=-1, num_waiting_reqs=float("nan"), kv_cache_usage=7.0), None),
+])
+def test_nothing_raises_into_vllm(otel, vllm_config, caplog, garbage):
+    otel()
+    manager, ours = _logger(vllm_config)
+    sched, it = garbage
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):
+            ours.record(scheduler_stats=sched, iteration_stats=it, engine_idx=0)
+            ours.record(scheduler_stats=sched, iteration_stats=it, engine_idx=7)  # an engine it was not built for
+    manager.log()
+
+
+def test_a_failing_core_is_contained_and_reported_once(otel, vllm_config, caplog, monkeypatch):
+    otel()
+    manager, ours = _logger(vllm_config)
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("core bug")
+
+    monkeypatch.setattr(ours.telemetry[0], "record_iteration", boom)
+    with caplog.at_level(logging.ERROR, logger=LOGGER):
+        for _ in range(3):
+            ours.record(scheduler_stats=None, iteration_stats=_iteration(), engine_idx=0)
+    errors = [r for r in caplog.records if r.name == LOGGER and r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "record failed" in errors[0].getMessage()
+    assert "core bug" in caplog.text
+
+
+def test_iteration_timestamp_missing_falls_back_to_now(otel, vllm_config, caplog):
+    o = otel()
+    manager, ours = _logger(vllm_config)
+    it = _iteration([_finished()])
+    del it.iteration_timestamp
+    before = time.time_ns()
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        ours.record(scheduler_stats=None, iteration_stats=it, engine_idx=0)
+    (span,) = o.spans.get_finished_spans()
+    assert before - 10**8 <= span.end_time <= time.time_ns() + 10**8
+    assert span.end_time - span.start_time == pytest.approx(1.25e9, abs=1e3)
+    assert sum("iteration_timestamp is missing" in w for w in _warnings(caplog)) == 1
