@@ -8,6 +8,8 @@ ARGS ?=
 
 .PHONY: demo test bench setup clean
 
+include vllm.mk
+
 setup: $(READY)
 
 # torch first and pinned: an unpinned torch pulls a CUDA build of several GB.
@@ -22,8 +24,9 @@ $(READY): pyproject.toml
 demo: $(READY)
 	$(VENV)/bin/otel-llm demo $(ARGS)
 
+# tests/vllm runs in a venv of its own: `make test-vllm` (vllm.mk).
 test: $(READY)
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q --ignore=tests/vllm $(ARGS)
 
 bench: $(READY)
 	$(PY) -m bench $(ARGS)
