@@ -50,9 +50,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         output_median=args.output_median,
     )
     requests = generate(spec, config.num_kv_blocks * config.block_size)
-    result = run_workload(
-        engine, requests, step_time=args.step_time, temperature=args.temperature
-    )
+    try:
+        result = run_workload(
+            engine, requests, step_time=args.step_time, temperature=args.temperature
+        )
+    finally:
+        engine.shutdown()
     thrashing = sum(1 for o in result.outputs if o.num_preemptions >= 5)
     print(f"requests         {len(result.outputs)}")
     print(f"steps            {result.steps}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -19,6 +20,8 @@ from .request import Request, RequestOutput, RequestStatus, encode
 from .scheduler import Scheduler, SchedulerOutput
 
 PREEMPTION_REASON = "kv_cache_full"
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -48,7 +51,20 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._pending_events: list[RequestEvent] = []  # published with the next step's batch
         self._pending_outputs: list[RequestOutput] = []  # aborts, returned by the next step()
-        self.plugins: list[str] = load_plugins(self) if config.load_plugins else []
+        loaded = load_plugins(self) if config.load_plugins else []
+        self.plugins: list[str] = [name for name, _ in loaded]
+        self._plugin_results = [result for _, result in loaded]
+
+    def shutdown(self) -> None:
+        """Shut down what plugins returned (e.g. the otel plugin's telemetry: flush, stop /metrics)."""
+        for result in self._plugin_results:
+            stop = getattr(result, "shutdown", None)
+            if callable(stop):
+                try:
+                    stop()
+                except Exception:  # noqa: BLE001 - one plugin's failure must not block the others
+                    _log.exception("engine_stub: a plugin's shutdown() failed")
+        self._plugin_results = []
 
     # ------------------------------------------------------------------ requests
 

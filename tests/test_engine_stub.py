@@ -354,8 +354,16 @@ def test_200_request_run_with_preemptions_timing() -> None:
 # ---------------------------------------------------------------- plugins
 
 
-def _plugin_ok(engine: Engine) -> None:
+class _Closable:
+    closed = 0
+
+    def shutdown(self) -> None:
+        _Closable.closed += 1
+
+
+def _plugin_ok(engine: Engine) -> _Closable:
     engine.plugin_ran = True  # type: ignore[attr-defined]
+    return _Closable()
 
 
 def _plugin_broken(engine: Engine) -> None:
@@ -383,13 +391,17 @@ def test_failing_plugins_are_logged_and_skipped(
     assert failed == ["broken", "missing"]
     engine.add_request("r", "still works", max_tokens=3)
     assert len(engine.run()) == 1
+    closed = _Closable.closed
+    engine.shutdown()
+    engine.shutdown()  # idempotent
+    assert _Closable.closed == closed + 1
 
 
 @pytest.mark.parametrize(("value", "expected"), [("", []), ("ok", ["ok"]), (" ok , nope", ["ok"])])
 def test_plugin_filter_by_env(monkeypatch: pytest.MonkeyPatch, value: str, expected: list[str]) -> None:
     fake_entry_points(monkeypatch)
     monkeypatch.setenv("ENGINE_STUB_PLUGINS", value)
-    assert load_plugins(SimpleNamespace()) == expected
+    assert [name for name, _ in load_plugins(SimpleNamespace())] == expected
 
 
 def test_load_plugins_false_skips_entry_points(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -125,13 +125,16 @@ def test_engine_loads_the_plugin_from_installed_metadata(monkeypatch: pytest.Mon
     monkeypatch.setenv("OTEL_METRICS_EXPORTER", "none")
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "none")
     engine = Engine(EngineConfig())
+    handle = engine.telemetry_handle
     try:
         assert engine.plugins == ["otel"]
-        assert isinstance(engine.telemetry_handle.telemetry, EngineTelemetry)
-        assert engine.hooks._subscribers == [engine.telemetry_handle.telemetry]
-        assert engine.telemetry_handle.config.model_name == "engine_stub-tiny"
+        assert isinstance(handle.telemetry, EngineTelemetry)
+        assert handle.config.model_name == "engine_stub-tiny"
+        engine.hooks.unsubscribe(handle.telemetry)
+        assert not engine.hooks.active  # the plugin's telemetry was the one subscriber
     finally:
-        engine.telemetry_handle.shutdown()
+        engine.shutdown()
+    assert handle._closed  # Engine.shutdown() reached the handle the plugin returned
 
 
 def test_plugin_from_environment_serves_the_engine_totals(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -148,7 +151,7 @@ def test_plugin_from_environment_serves_the_engine_totals(monkeypatch: pytest.Mo
         with urllib.request.urlopen(url, timeout=10) as response:
             text = response.read().decode()
     finally:
-        handle.shutdown()
+        engine.shutdown()
     total = sum(o.num_preemptions for o in outputs)
     assert total > 0
     samples = dict(
