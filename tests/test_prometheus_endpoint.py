@@ -247,3 +247,15 @@ def test_two_endpoints_do_not_share_series():
     finally:
         for x in (a, b, mpa, mpb):
             x.shutdown()
+
+
+def test_require_backend_skips_or_fails(monkeypatch):
+    from backends import BackendUnavailable, backend, require_backend
+
+    monkeypatch.delenv("OTEL_LLM_REQUIRE_BACKENDS", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="backend prometheus unavailable: gone"):
+        require_backend("prometheus", "gone")
+    monkeypatch.setenv("OTEL_LLM_REQUIRE_BACKENDS", "1")
+    with pytest.raises(pytest.fail.Exception, match="OTEL_LLM_REQUIRE_BACKENDS=1"):
+        with backend("rotel"):
+            raise BackendUnavailable("no binary")

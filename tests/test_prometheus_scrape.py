@@ -26,11 +26,13 @@ NAMES = {
     "vllm": {
         "histogram": "vllm:request_num_preemptions",
         "counter": "vllm:num_preemptions_total",
+        "model_label": "model_name",
     },
     "semconv": {
         # llm.server.request.num_preemptions, unit "{preemption}": the annotation maps to no suffix
         "histogram": "llm_server_request_num_preemptions",
         "counter": "llm_server_preemptions_total",
+        "model_label": "gen_ai_request_model",  # attribute gen_ai.request.model, sanitized
     },
 }
 
@@ -128,7 +130,7 @@ def test_prometheus_scrapes_exact_preemption_histogram(profile, prometheus, port
         )
 
         count_series = prometheus.query(f"{hist}_count{{{instance}}}")
-        assert count_series[0]["metric"]["model_name"] == "tiny"
+        assert count_series[0]["metric"][names["model_label"]] == "tiny"
         assert float(count_series[0]["value"][1]) == NUM_REQUESTS
         assert prometheus.value(f"{hist}_sum{{{instance}}}") == float(sum(counts))
 
