@@ -41,6 +41,7 @@ import bisect
 import gzip
 import inspect
 import logging
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
@@ -230,6 +231,8 @@ class _Server(ThreadingHTTPServer):
     allow_reuse_address = False  # a taken port must fail, not be shared
 
     def __init__(self, address, handler, registry: CollectorRegistry) -> None:
+        if ":" in address[0]:
+            self.address_family = socket.AF_INET6
         self.registry = registry
         self.render_lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(_MAX_CONNECTIONS)
@@ -320,7 +323,8 @@ class PrometheusEndpoint:
 
     @property
     def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
+        host = self.host.strip("[]")
+        host = f"[{host}]" if ":" in host else host
         return f"http://{host}:{self.port}/metrics"
 
     def start(self) -> None:
@@ -330,7 +334,7 @@ class PrometheusEndpoint:
             if self._server is not None:
                 return
             try:
-                server = _Server((self.host, self.port), _Handler, self.registry)
+                server = _Server((self.host.strip("[]"), self.port), _Handler, self.registry)
             except OSError as exc:
                 raise OSError(
                     exc.errno,

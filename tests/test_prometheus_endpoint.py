@@ -259,3 +259,49 @@ def test_require_backend_skips_or_fails(monkeypatch):
     with pytest.raises(pytest.fail.Exception, match="OTEL_LLM_REQUIRE_BACKENDS=1"):
         with backend("rotel"):
             raise BackendUnavailable("no binary")
+
+
+def test_text_format_matches_upstream_exporter():
+    """Only histograms go through our code; with float bounds the text is upstream's, byte for byte."""
+    from opentelemetry.exporter.prometheus import PrometheusMetricReader
+    from opentelemetry.sdk.resources import Resource
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    resource = Resource.create({"service.name": "svc", "service.instance.id": "i-1"})
+    upstream_registry = CollectorRegistry()
+    upstream = PrometheusMetricReader(scope_info_enabled=False, registry=upstream_registry)
+    ours = PrometheusEndpoint(port=0)
+    views = [
+        View(instrument_name="h", name="vllm:h", aggregation=ExplicitBucketHistogramAggregation((0.5, 1.0, 2.0, 20.0))),
+        View(instrument_name="c", name="vllm:c"),
+    ]
+    providers = [MeterProvider(metric_readers=[r], views=views, resource=resource) for r in (upstream, ours.reader)]
+    for mp in providers:
+        meter = mp.get_meter("otel_llm")
+        meter.create_counter("c").add(3, {"model_name": "tiny"})
+        meter.create_up_down_counter("running").add(2)
+        meter.create_histogram("h").record(1.5, {"model_name": "tiny"})
+        meter.create_histogram("lat_seconds", unit="s").record(0.1)
+        meter.create_gauge("kv").set(0.25)
+    try:
+        assert ours.render()[0].decode() == generate_latest(upstream_registry).decode()
+    finally:
+        for mp in providers:
+            mp.shutdown()
+        ours.shutdown()
+
+
+def test_ipv6_loopback():
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6")
+    endpoint = PrometheusEndpoint(host="::1", port=0)
+    try:
+        endpoint.start()
+    except OSError as exc:
+        endpoint.shutdown()
+        pytest.skip(f"IPv6 loopback unavailable: {exc}")
+    try:
+        assert endpoint.url == f"http://[::1]:{endpoint.port}/metrics"
+        _scrape(endpoint.url)
+    finally:
+        endpoint.shutdown()

@@ -27,12 +27,14 @@ NAMES = {
         "histogram": "vllm:request_num_preemptions",
         "counter": "vllm:num_preemptions_total",
         "model_label": "model_name",
+        "e2e": "vllm:e2e_request_latency_seconds",  # unit "s", name already ends _seconds
     },
     "semconv": {
         # llm.server.request.num_preemptions, unit "{preemption}": the annotation maps to no suffix
         "histogram": "llm_server_request_num_preemptions",
         "counter": "llm_server_preemptions_total",
         "model_label": "gen_ai_request_model",  # attribute gen_ai.request.model, sanitized
+        "e2e": "gen_ai_server_request_duration_seconds",  # gen_ai.server.request.duration, unit "s"
     },
 }
 
@@ -144,6 +146,10 @@ def test_prometheus_scrapes_exact_preemption_histogram(profile, prometheus, port
             got = prometheus.value(f"histogram_quantile({q}, sum by (le) ({hist}_bucket{{{instance}}}))")
             want = histogram_quantile(q, [(float(le), v) for le, v in expected.items()])
             assert got == pytest.approx(want, rel=1e-12), (q, got, want, expected)
+
+        # Seconds histograms: the unit suffix added once, never doubled.
+        assert prometheus.value(f"{names['e2e']}_count{{{instance}}}") == NUM_REQUESTS
+        assert not [n for n in prometheus.series_names() if "_seconds_seconds" in n]
 
         # Names as served: with the colon for vllm (OpenMetrics negotiated), none of it for semconv.
         series = set(prometheus.series_names())
