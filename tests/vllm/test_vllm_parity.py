@@ -110,3 +110,26 @@ def test_never_preempted_bucket_beyond_vllm(otel, vllm_config):
     for suffix in ("_sum", "_count"):
         key = ("vllm:request_num_preemptions" + suffix, e0)
         assert got[key] == theirs[key]
+
+
+def test_known_difference_an_iteration_without_tokens(otel, vllm_config):
+    """The one difference found: vLLM observes ``iteration_tokens_total`` for every iteration
+    that has outputs, even one that computed no token (an error finish with no new token is the
+    only output of the step); the core observes it only for steps that computed tokens
+    (``StepStats.num_batched_tokens > 0``). Every other compared sample is equal."""
+    from vllm_stream import Spec
+
+    o = otel(preemption_buckets=VLLM_PREEMPTION_BUCKETS)
+    manager, _ = _manager(vllm_config)
+    specs = [Spec("ok", arrive=0, queue=0, prompt=10, tokens=3, max_tokens=3),
+             Spec("err", arrive=10, queue=0, prompt=10, tokens=2, finish="error", empty_last=True)]
+    run(manager, {0: build(specs, time.monotonic(), time.time())})
+    expected = vllm_samples(EXPECTED_COMMON)
+    got = otel_samples(o.reader, EXPECTED_COMMON)
+    diff = {k: (v, got.get(k, 0.0)) for k, v in expected.items() if got.get(k, 0.0) != v}
+    from otel_llm.buckets import ITERATION_TOKENS
+
+    # Only iteration_tokens_total: every cumulative bucket (0 <= 1) and the count, off by one.
+    assert {name for name, _ in diff} == {"vllm:iteration_tokens_total_bucket", "vllm:iteration_tokens_total_count"}
+    assert len(diff) == len(ITERATION_TOKENS) + 1 + 1
+    assert all(theirs - ours == 1 for theirs, ours in diff.values())

@@ -123,3 +123,22 @@ def test_importing_otel_llm_does_not_import_vllm():
                             env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+def test_beyond_vllm_exemplars_link_histograms_to_request_spans(otel, vllm_config):
+    from vllm.v1.metrics.loggers import StatLoggerManager, load_stat_logger_plugin_factories
+
+    o = otel()
+    manager = StatLoggerManager(vllm_config, custom_stat_loggers=load_stat_logger_plugin_factories(),
+                                enable_default_loggers=False)
+    script = build(default_specs(), time.monotonic(), time.time())
+    run(manager, {0: script})
+    by_trace = {s.context.trace_id: s for s in o.spans.get_finished_spans()}
+    data = o.reader.get_metrics_data()
+    (point,) = [p for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
+                if m.name == "vllm:request_num_preemptions" for p in m.data.data_points]
+    assert point.exemplars
+    for exemplar in point.exemplars:
+        span = by_trace[exemplar.trace_id]  # the request whose value the bucket holds
+        assert span.attributes["llm.request.num_preemptions"] == exemplar.value
+    assert {e.value for e in point.exemplars} >= {0, 7}

@@ -28,6 +28,7 @@ class Spec:
     max_tokens: Optional[int] = None
     cached: int = 0  # prefix-cache hits (prompt tokens not computed)
     finish: str = "length"  # FinishReason name, lower case
+    empty_last: bool = False  # the finishing output carries no token (e.g. an error finish)
 
     @property
     def num_preemptions(self) -> int:
@@ -56,6 +57,10 @@ class Script:
 
     def ts(self, step: int) -> float:
         return self.t0 + step * DT
+
+    def output_ts(self, step: int) -> float:
+        """When the step's outputs leave the engine core (after the forward pass)."""
+        return self.ts(step) + 0.05
 
 
 def build(specs: list[Spec], t0: float, w0: float) -> Script:
@@ -101,7 +106,7 @@ def engine_core_output(spec: Spec, out: Output) -> Any:
         prefill.set(spec.prompt, spec.cached, 0)
     return EngineCoreOutput(
         request_id=spec.rid,
-        new_token_ids=[7],
+        new_token_ids=[] if out.last and spec.empty_last else [7],
         finish_reason=FinishReason[spec.finish.upper()] if out.last else None,
         events=events,
         prefill_stats=prefill,
@@ -159,8 +164,8 @@ def run(manager: Any, streams: dict[int, Script]) -> None:
             engine_outputs = [engine_core_output(specs[idx][o.rid], o) for o in outs]
             iteration_stats = IterationStats() if engine_outputs else None
             if iteration_stats is not None:
-                iteration_stats.iteration_timestamp = script.w0 + step * DT + 0.0005
-            processed = processor.process_outputs(engine_outputs, script.ts(step), iteration_stats)
+                iteration_stats.iteration_timestamp = script.w0 + step * DT + 0.0505
+            processed = processor.process_outputs(engine_outputs, script.output_ts(step), iteration_stats)
             assert not processed.reqs_to_abort
             sched = scheduler_stats(script, step, outs) if step % 5 != 2 or not outs else None
             processor.update_scheduler_stats(sched)
