@@ -237,9 +237,7 @@ class Engine:
         """Run the scheduled tokens; return (request, sampled token) for each completed sequence."""
         batch, samplers = self._build_batch(sched)
         with torch.inference_mode():
-            logits = self.model(
-                batch, self.kv_cache.key_cache, self.kv_cache.value_cache, self.kv_cache.block_size
-            )
+            logits = self.model(batch, self.kv_cache.key_cache, self.kv_cache.value_cache)
             return [(request, self._sample(request, logits[i])) for i, request in enumerate(samplers)]
 
     def _build_batch(self, sched: SchedulerOutput) -> tuple[BatchInput, list[Request]]:
@@ -263,10 +261,11 @@ class Engine:
                 decodes.append((first_row, start, request.block_table))
             else:  # a prefill chunk attends on its own: padding it into the decodes would waste
                 groups.append(
-                    AttentionGroup(
-                        token_index=torch.arange(first_row, first_row + num_new)[None],
-                        query_positions=torch.tensor([list(request_positions)]),
-                        block_tables=torch.tensor([request.block_table]),
+                    AttentionGroup.build(
+                        torch.arange(first_row, first_row + num_new)[None],
+                        torch.tensor([request.block_table]),
+                        torch.tensor([list(request_positions)]),
+                        kv.block_size,
                     )
                 )
             if request.num_computed_tokens == request.num_tokens:
@@ -275,12 +274,11 @@ class Engine:
         if decodes:
             width = max(len(table) for _, _, table in decodes)
             groups.append(
-                AttentionGroup(
-                    token_index=torch.tensor([[row] for row, _, _ in decodes]),
-                    query_positions=torch.tensor([[pos] for _, pos, _ in decodes]),
-                    block_tables=torch.tensor(
-                        [table + [0] * (width - len(table)) for _, _, table in decodes]
-                    ),
+                AttentionGroup.build(
+                    torch.tensor([[row] for row, _, _ in decodes]),
+                    torch.tensor([table + [0] * (width - len(table)) for _, _, table in decodes]),
+                    torch.tensor([[pos] for _, pos, _ in decodes]),
+                    kv.block_size,
                 )
             )
         batch = BatchInput(

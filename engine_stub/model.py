@@ -29,40 +29,37 @@ class ModelConfig:
         return self.hidden_size // self.num_heads
 
 
-def paged_attention(
-    query: Tensor,
-    key_cache: Tensor,
-    value_cache: Tensor,
-    block_tables: Tensor,
-    query_positions: Tensor,
-    block_size: int,
-) -> Tensor:
-    """Causal attention of padded queries over keys/values gathered through block tables.
-
-    query: [B, Q, H, D]; key_cache/value_cache: [num_slots, H, D], slot = block * block_size +
-    offset; block_tables: [B, M] block ids (padding entries may be any valid id: the causal
-    mask hides them); query_positions: [B, Q] absolute position of each query in its sequence.
-    A query at position p sees the keys at positions 0..p. Returns [B, Q, H, D].
-    """
-    num_blocks_per_seq = block_tables.shape[1]
-    key_pos = torch.arange(num_blocks_per_seq * block_size)
-    slots = block_tables[:, key_pos // block_size] * block_size + key_pos % block_size  # [B, L]
-    keys = key_cache[slots].transpose(1, 2)  # [B, H, L, D]
-    values = value_cache[slots].transpose(1, 2)
-    visible = key_pos[None, None, :] <= query_positions[:, :, None]  # [B, Q, L]
-    out = F.scaled_dot_product_attention(
-        query.transpose(1, 2), keys, values, attn_mask=visible[:, None]
-    )
-    return out.transpose(1, 2)
-
-
 @dataclass
 class AttentionGroup:
-    """Queries attended together: one prefill chunk (B=1), or every decode token (Q=1)."""
+    """Queries attended together: one prefill chunk (B=1), or every decode token (Q=1).
+
+    ``slots`` and ``visible`` depend only on block tables and positions, so they are built once
+    per step and shared by every layer.
+    """
 
     token_index: Tensor  # [B, Q] rows of the flat batch
-    query_positions: Tensor  # [B, Q]
-    block_tables: Tensor  # [B, M]
+    slots: Tensor  # [B, L] cache slot of each key position 0..L-1 of each sequence
+    visible: Tensor  # [B, 1, Q, L] bool: the causal mask
+
+    @classmethod
+    def build(
+        cls, token_index: Tensor, block_tables: Tensor, query_positions: Tensor, block_size: int
+    ) -> "AttentionGroup":
+        """block_tables: [B, M] block ids (padding may be any valid id: the mask hides it);
+        query_positions: [B, Q] absolute position of each query; a query at p sees keys 0..p."""
+        key_pos = torch.arange(block_tables.shape[1] * block_size)
+        slots = block_tables[:, key_pos // block_size] * block_size + key_pos % block_size
+        visible = key_pos[None, None, :] <= query_positions[:, :, None]
+        return cls(token_index, slots, visible[:, None])
+
+
+def paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, group: AttentionGroup) -> Tensor:
+    """Attention of query [B, Q, H, D] over the keys/values that ``group.slots`` gathers from
+    key_cache/value_cache [num_slots, H, D] (slot = block * block_size + offset). -> [B, Q, H, D]"""
+    keys = key_cache[group.slots].transpose(1, 2)  # [B, H, L, D]
+    values = value_cache[group.slots].transpose(1, 2)
+    out = F.scaled_dot_product_attention(query.transpose(1, 2), keys, values, attn_mask=group.visible)
+    return out.transpose(1, 2)
 
 
 @dataclass
@@ -91,7 +88,7 @@ class Block(nn.Module):
         )
 
     def forward(
-        self, x: Tensor, batch: BatchInput, key_cache: Tensor, value_cache: Tensor, block_size: int
+        self, x: Tensor, batch: BatchInput, key_cache: Tensor, value_cache: Tensor
     ) -> Tensor:
         n = x.shape[0]
         q, k, v = self.qkv(self.norm1(x)).view(n, 3, self.num_heads, self.head_dim).unbind(1)
@@ -100,14 +97,7 @@ class Block(nn.Module):
         value_cache[batch.slot_mapping] = v
         attn = torch.empty_like(q)
         for group in batch.groups:
-            out = paged_attention(
-                q[group.token_index],
-                key_cache,
-                value_cache,
-                group.block_tables,
-                group.query_positions,
-                block_size,
-            )
+            out = paged_attention(q[group.token_index], key_cache, value_cache, group)
             attn[group.token_index.flatten()] = out.flatten(0, 1)
         x = x + self.out(attn.reshape(n, -1))
         return x + self.mlp(self.norm2(x))
@@ -146,10 +136,10 @@ class TinyTransformer(nn.Module):
         return torch.cat([angles.sin(), angles.cos()], dim=-1)
 
     def forward(
-        self, batch: BatchInput, key_cache: Tensor, value_cache: Tensor, block_size: int
+        self, batch: BatchInput, key_cache: Tensor, value_cache: Tensor
     ) -> Tensor:
         """Logits [len(sample_rows), VOCAB_SIZE]; key_cache/value_cache: [layers, slots, H, D]."""
         x = self.embed(batch.token_ids) + self.positional_encoding(batch.positions)
         for layer, block in enumerate(self.blocks):
-            x = block(x, batch, key_cache[layer], value_cache[layer], block_size)
+            x = block(x, batch, key_cache[layer], value_cache[layer])
         return self.lm_head(self.norm(x[batch.sample_rows]))

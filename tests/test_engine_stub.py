@@ -14,7 +14,7 @@ import torch
 
 import engine_stub.engine as engine_module
 from engine_stub import STOP_TOKEN_ID, Engine, EngineConfig, RequestOutput
-from engine_stub.model import TinyTransformer, paged_attention
+from engine_stub.model import AttentionGroup, TinyTransformer, paged_attention
 from engine_stub.plugins import GROUP, load_plugins
 from engine_stub.request import RequestStatus
 from engine_stub.workload import WorkloadSpec, generate, run_workload
@@ -91,21 +91,19 @@ def test_paged_attention_equals_plain_attention() -> None:
     # A prefill chunk: the last 9 queries of the 37-token sequence, causal within the chunk.
     table, q, k, v = seqs[0]
     positions = list(range(28, 37))
-    paged = paged_attention(
-        q[28:][None], key_cache, value_cache, torch.tensor([table]), torch.tensor([positions]), block_size
-    )[0]
+    group = AttentionGroup.build(torch.arange(9)[None], torch.tensor([table]), torch.tensor([positions]), block_size)
+    paged = paged_attention(q[28:][None], key_cache, value_cache, group)[0]
     torch.testing.assert_close(paged, plain_attention(q[28:], k, v, positions), atol=1e-5, rtol=1e-5)
 
     # A decode batch: one query per sequence, block tables padded to the longest.
     width = max(len(t) for t, *_ in seqs)
-    paged = paged_attention(
-        torch.stack([q[-1] for _, q, _, _ in seqs])[:, None],
-        key_cache,
-        value_cache,
+    group = AttentionGroup.build(
+        torch.arange(len(seqs))[:, None],
         torch.tensor([t + [0] * (width - len(t)) for t, *_ in seqs]),
         torch.tensor([[n - 1] for n in lengths]),
         block_size,
-    )[:, 0]
+    )
+    paged = paged_attention(torch.stack([q[-1] for _, q, _, _ in seqs])[:, None], key_cache, value_cache, group)[:, 0]
     for i, (_, q, k, v) in enumerate(seqs):
         expected = plain_attention(q[-1:], k, v, [lengths[i] - 1])[0]
         torch.testing.assert_close(paged[i], expected, atol=1e-5, rtol=1e-5)
