@@ -14,7 +14,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m engine_stub",
         description="Run engine_stub on a seeded workload (Poisson arrivals, long-tailed lengths). "
         "Plugins from the entry-point group engine_stub.plugins load unless --no-plugins "
-        "(filter with ENGINE_STUB_PLUGINS).",
+        "(filter with ENGINE_STUB_PLUGINS). The otel plugin follows the OTEL_* variables; unset, "
+        "that is OTLP to localhost:4317, and shutdown waits for it to time out when nothing "
+        "listens: set OTEL_METRICS_EXPORTER/OTEL_TRACES_EXPORTER, or pass --no-plugins.",
     )
     p.add_argument("--requests", type=int, default=200, help="number of requests (default 200)")
     p.add_argument("--rate", type=float, default=50.0, help="arrivals per simulated second")
