@@ -10,6 +10,7 @@ with ordinals, exemplars carrying the request spans' trace ids; and delta tempor
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
@@ -206,3 +207,72 @@ def test_delta_temporality_preference(pipeline, otlp_env):
     assert list(p1.bucket_counts) == _bucket_counts(list(first.values()))
     assert list(p2.bucket_counts) == _bucket_counts(list(second.values()))  # only the new requests
     assert p2.start_time_unix_nano >= p1.time_unix_nano  # delta windows do not overlap
+
+
+def _debug_blocks(text: str, marker: str) -> list[str]:
+    """Split rotel's detailed debug log into blocks starting at ``marker`` (e.g. "Span #")."""
+    parts = re.split(rf"(?m)^(?={re.escape(marker)}\d+)", text)
+    return [p for p in parts if p.startswith(marker)]
+
+
+def test_rotel_to_rotel_debug_log(otlp_env):
+    """The other second hop: rotel forwards over OTLP/HTTP (gzip) to a second rotel whose
+    detailed debug log shows what arrived; the same facts read from its text."""
+    import otel_llm
+
+    with backend("rotel"):
+        last_cm = start_rotel(debug_log=("metrics", "traces"))
+        last = last_cm.__enter__()
+    try:
+        with backend("rotel"):
+            first_cm = start_rotel(forward_to=last.http_endpoint, forward_protocol="http")
+            first = first_cm.__enter__()
+        try:
+            otlp_env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", first.grpc_endpoint)
+            otlp_env.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+            handle = otel_llm.setup_telemetry(_config())
+            try:
+                engine = _engine()
+                engine.hooks.subscribe(handle.telemetry)
+                _add(engine, range(8))
+                truth = {o.request_id: o.num_preemptions for o in engine.run()}
+                handle.force_flush()
+
+                previous = [""]
+
+                def arrived():
+                    # everything there, and the log no longer growing (no half-written block)
+                    text, before = last.output(), previous[0]
+                    previous[0] = text
+                    spans = [b for b in _debug_blocks(text, "Span #") if "Name           : llm_request" in b]
+                    return f"Name: {HIST}\n" in text and len(spans) >= len(truth) and text == before and text
+
+                try:
+                    text = wait_until(arrived, timeout=15, what="debug log of the second rotel")
+                except TimeoutError as exc:
+                    raise AssertionError(f"{exc}: {last.output()[-3000:]}") from None
+            finally:
+                handle.shutdown()
+        finally:
+            first_cm.__exit__(None, None, None)
+    finally:
+        last_cm.__exit__(None, None, None)
+
+    metric = next(b for b in _debug_blocks(text, "Metric #") if f"-> Name: {HIST}\n" in b)
+    assert [float(x) for x in re.findall(r"ExplicitBounds #\d+: (\S+)", metric)] == BOUNDS
+    assert [int(x) for x in re.findall(r"Buckets #\d+, Count: (\d+)", metric)] == _bucket_counts(list(truth.values()))
+    assert re.search(r"(?m)^Count: (\d+)$", metric).group(1) == str(len(truth))
+
+    span_traces = {}
+    for block in _debug_blocks(text, "Span #"):
+        if "Name           : llm_request" not in block:
+            continue
+        rid = re.search(r"gen_ai\.request\.id: Str\((.*?)\)", block).group(1)
+        k = int(re.search(r"llm\.request\.num_preemptions: Int\((\d+)\)", block).group(1))
+        assert k == truth[rid]
+        ordinals = [int(x) for x in re.findall(r"-> Name: preempted\n(?:.*\n){2}\s+-> Attributes::\n\s+-> ordinal: Int\((\d+)\)", block)]
+        assert ordinals == list(range(1, k + 1)), (rid, block)
+        span_traces[re.search(r"Trace ID\s+: ([0-9a-f]{32})", block).group(1)] = rid
+    assert set(span_traces.values()) == set(truth)
+    exemplar_traces = re.findall(r"-> Trace ID: ([0-9a-f]{32})", metric)
+    assert exemplar_traces and set(exemplar_traces) <= set(span_traces)
