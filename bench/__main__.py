@@ -84,6 +84,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         mix = per_event.event_mix(num_steps=20 if args.tiny else 200, running=256)
         results["profile"] = per_event.profile_ours(mix)
         results["profile"]["targets_missed"] = [k for k, ok in pe["targets"].items() if not ok]
+        from . import proposals
+        results["profile"]["micro_ns"] = proposals.micro(number=20_000 if args.tiny else 200_000)
     out_path.write_text(json.dumps(_clean(results), indent=1, sort_keys=False) + "\n")
     print(table(results))
     print(f"\nwrote {out_path}")
