@@ -58,6 +58,13 @@ class TelemetryConfig:
         object.__setattr__(
             self, "preemption_buckets", buckets.validate_boundaries("preemption_buckets", self.preemption_buckets)
         )
+        for name in ("spans", "record_content"):  # a string such as "false" would be truthy
+            _check(isinstance(getattr(self, name), bool), name, getattr(self, name), "must be True or False")
+        if self.sdk_disabled is not None:
+            _check(isinstance(self.sdk_disabled, bool), "sdk_disabled", self.sdk_disabled, "must be True or False")
+        _check(isinstance(self.resource_attributes, Mapping)
+               and all(isinstance(k, str) and isinstance(v, str) for k, v in self.resource_attributes.items()),
+               "resource_attributes", self.resource_attributes, "must be a mapping of str to str")
         for name in ("max_model_len", "max_inflight_requests", "max_label_values", "content_max_length"):
             value = getattr(self, name)
             _check(_is_int(value) and value >= 1, name, value, "must be an integer >= 1")
@@ -144,6 +151,7 @@ def _is_url(value: Any) -> bool:
 def _names(setting: str, values: Any, allowed: tuple[str, ...]) -> tuple[str, ...]:
     if isinstance(values, str):
         values = values.split(",")
+    _check(isinstance(values, (tuple, list)), setting, values, f"must be a comma-separated string or a list of {allowed}")
     names = tuple(str(v).strip().lower() for v in values if str(v).strip())
     for name in names:
         _check(name in allowed, setting, name, f"is not one of {allowed}")
@@ -167,7 +175,10 @@ def _bool(text: str) -> bool:
 
 
 def _float_or_int(text: str) -> int:
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError("not a number of milliseconds") from None
     if not math.isfinite(value):
         raise ValueError("not finite")
     return int(value)
