@@ -169,8 +169,11 @@ def _protocol(config: TelemetryConfig, env: Mapping[str, str], signal: str) -> s
 
 def _endpoint(config: TelemetryConfig, env: Mapping[str, str], signal: str, protocol: str) -> Optional[str]:
     """Per-signal endpoint as given; the base endpoint gets /v1/<signal> for HTTP (OTLP spec)."""
-    specific = env.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT")
+    var = f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT"
+    specific = env.get(var)
     if specific:
+        if not specific.startswith(("http://", "https://")) or not specific.split("://", 1)[1]:
+            raise ValueError(f"{var}={specific!r}: must be an http:// or https:// URL, e.g. http://127.0.0.1:4317")
         return specific
     if not config.otlp_endpoint:
         return None
