@@ -115,6 +115,11 @@ def setup_telemetry(config: Optional[TelemetryConfig] = None, *,
                                                      else ("otlp",))
     traces_exporters = config.traces_exporters or ("otlp",)
 
+    # Every exporter setting is checked before anything binds a port or starts a thread.
+    for signal, names in (("metrics", metrics_exporters), ("traces", traces_exporters)):
+        if "otlp" in names:
+            _endpoint(config, env, signal, _protocol(config, env, signal))
+
     prometheus = None
     readers: list[MetricReader] = []
     if "prometheus" in metrics_exporters:
