@@ -13,8 +13,8 @@ methods of vLLM's ``IterationStats`` (an internal class, not a stable interface)
   (:mod:`otel_llm.integrations.vllm`) finds it: one ``preempted`` span event at each real
   PREEMPTED timestamp, the exact preempted time, the real arrival time and TTFT of the request.
 
-Guards: the vLLM version must be in the tested range (``>= 0.10, < 0.34``; ``=force`` skips the
-version check) and both targets must have the expected parameters. When it cannot attach, it
+Guards: the vLLM version must be in the accepted range (``>= 0.10, < 0.34``; tested on 0.33.0;
+``=force`` skips the version check) and both targets must have the expected parameters. When it cannot attach, it
 says so once (a warning) and the plugin falls back to metrics plus one span per finished
 request with the exact preemption count. Loaded in every vLLM process through the
 ``vllm.general_plugins`` entry point (``register``); the stat logger also installs it.
@@ -109,7 +109,7 @@ def _version_ok() -> tuple[bool, str]:
     parsed = tuple(parts + [0] * (2 - len(parts)))
     low, high = TESTED_VERSIONS
     if not (low <= parsed < high):
-        return False, f"vLLM {version} is outside the tested range {low}..<{high} (set {ENV}=force to try)"
+        return False, f"vLLM {version} is outside the accepted range {low}..<{high} (set {ENV}=force to try)"
     return True, version
 
 
