@@ -28,6 +28,7 @@ from . import __version__, buckets
 from .aggregation import ExemplarIds, HistogramCell, InProcessHistogram
 from .config import TelemetryConfig
 from .events import StepStats
+from .tracker import DROP_REASONS
 
 _log = logging.getLogger(__name__)
 
@@ -324,7 +325,9 @@ class FastMetrics(Recorder):
         self.n_generation = 0
         self.by_reason: dict[str, int] = {}
         self.by_finish: dict[str, int] = {}
-        self.drops: dict[str, int] = {}
+        # Every reason exported from the start at 0: Prometheus' increase() misses a counter
+        # series whose first sample is already 1.
+        self.drops: dict[str, int] = dict.fromkeys(DROP_REASONS, 0)
         cell = self._cell
         self.h_ttft = cell("time_to_first_token_seconds")
         self.h_itl = cell("inter_token_latency_seconds")
@@ -424,6 +427,8 @@ class SdkMetrics(Recorder):
                 self.i[m.key] = meter.create_gauge(name, m.unit, m.meaning)
             else:
                 self.i[m.key] = meter.create_histogram(name, m.unit, m.meaning)
+        for reason in DROP_REASONS:
+            self.i["dropped_events"].add(0, {**self.attributes, "reason": reason})
 
     def preempted(self, reason: str, num_computed_tokens: int) -> None:
         i, attrs = self.i, self.attributes

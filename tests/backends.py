@@ -177,8 +177,10 @@ def start_prometheus(
     scrape_interval: str = "1s",
     ready_timeout: float = 15.0,
     exemplars: bool = True,
+    rule_files: tuple[Path, ...] = (),
 ) -> Iterator[Prometheus]:
-    """A Prometheus scraping ``scrape_targets`` (``host:port`` or metrics URLs) every interval.
+    """A Prometheus scraping ``scrape_targets`` (``host:port`` or metrics URLs) every interval,
+    evaluating ``rule_files`` at the same interval.
 
     Raises BackendUnavailable when the binary is missing or it does not become ready.
     """
@@ -200,6 +202,7 @@ def start_prometheus(
         "scrape_configs": [
             {"job_name": "otel_llm", "metrics_path": metrics_path, "static_configs": [{"targets": targets}]},
         ],
+        "rule_files": [str(Path(f).resolve()) for f in rule_files],
     }
     (workdir / "prometheus.yml").write_text(json.dumps(config, indent=2))  # JSON is YAML
     (workdir / "data").mkdir()

@@ -226,7 +226,7 @@ def test_an_accepted_config_never_fails_on_record(bounds, fast_path, caplog):
     points = [p for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
               if m.name == "vllm:request_num_preemptions" for p in m.data.data_points]
     assert len(points) == 1 and points[0].count == 4 and tuple(points[0].explicit_bounds) == tuple(bounds)
-    assert not any(p.attributes.get("reason") for rm in data.resource_metrics for sm in rm.scope_metrics
+    assert not any(p.attributes.get("reason") and p.value for rm in data.resource_metrics for sm in rm.scope_metrics
                    for m in sm.metrics if m.name == "otel_llm.dropped_events" for p in m.data.data_points)
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "otel_llm" in r.name
                 and "without otel_llm.views" not in r.getMessage()], caplog.text

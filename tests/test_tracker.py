@@ -13,7 +13,7 @@ NAN = float("nan")
 
 
 def dropped(r):
-    return {p.attributes["reason"]: p.value for p in r.metrics().get("otel_llm.dropped_events", [])}
+    return {p.attributes["reason"]: p.value for p in r.metrics().get("otel_llm.dropped_events", []) if p.value}
 
 
 BAD = {

@@ -1,0 +1,75 @@
+"""Every PromQL expression of the shipped dashboard and rules runs against a real Prometheus.
+
+A short engine_stub load with the plugin's Prometheus endpoint, scraped every second by a real
+Prometheus that also evaluates collector/rules/otel-llm.rules.yml; then each expression (Grafana
+variables substituted) must parse and return data.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import urllib.parse
+import urllib.request
+
+import pytest
+
+import otel_llm
+from collector.expressions import RULES, all_expressions
+from engine_stub import Engine
+from otel_llm.events import EventType, RequestEvent
+from tests.backends import backend, free_port, start_prometheus
+from tests.test_prometheus_scrape import NUM_REQUESTS, _add_requests, _engine_config
+
+# Compares the last 5 minutes with the hour that ended an hour ago: no data can exist for that
+# in a test that lasts seconds, so only its parsing and its left operand are checked.
+NEEDS_HISTORY = {"rules otel-llm-preemption.alerts alert LLMPreemptionRateSpike"}
+
+
+def query(prometheus, expr: str) -> dict:
+    url = f"{prometheus.url}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return json.load(resp)
+
+
+@pytest.mark.backend
+def test_every_dashboard_and_rule_expression_returns_data(monkeypatch):
+    for key in ("OTEL_METRICS_EXPORTER", "OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_PROMETHEUS_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    port = free_port()
+    config = otel_llm.TelemetryConfig(model_name="tiny", metrics_exporters=("prometheus",),
+                                      traces_exporters=("none",), prometheus_port=port)
+    with backend("prometheus"), start_prometheus([f"127.0.0.1:{port}"], rule_files=(RULES,)) as prometheus:
+        handle = otel_llm.setup_telemetry(config)
+        try:
+            # Scraped at 0 before anything is dropped: increase() needs the series to exist first.
+            prometheus.wait_for('otel_llm_dropped_events_total{reason="unknown_request"}', bool, timeout=20)
+            engine = Engine(_engine_config())
+            engine.hooks.subscribe(handle.telemetry)
+            _add_requests(engine)
+            outputs = engine.run()
+            assert sum(o.num_preemptions >= 5 for o in outputs) / len(outputs) > 0.05  # the thrashing alert fires
+            handle.telemetry.on_events([RequestEvent(EventType.TOKENS, "ghost", 1.0, num_tokens=1)])  # one drop
+            prometheus.wait_for("vllm:request_num_preemptions_count",
+                                lambda r: r and float(r[0]["value"][1]) == NUM_REQUESTS, timeout=20)
+            prometheus.wait_for('otel_llm_dropped_events_total{reason="unknown_request"}',
+                                lambda r: r and r[0]["value"][1] == "1", timeout=20)
+            prometheus.wait_for("model_name_engine:vllm_request_num_preemptions:thrashing_ratio_rate5m",
+                                lambda r: bool(r), timeout=20)
+
+            empty = []
+            for where, expr in all_expressions("tiny", "0", rate_interval="1m"):
+                answer = query(prometheus, expr)
+                assert answer["status"] == "success", (where, answer)
+                if not answer["data"]["result"] and where not in NEEDS_HISTORY:
+                    empty.append(where)
+            assert not empty, f"expressions returning no data: {empty}"
+
+            spike = dict(all_expressions("tiny", "0"))[next(iter(NEEDS_HISTORY))]
+            left = spike.split(">")[0].strip()
+            assert query(prometheus, left)["data"]["result"]
+            thrashing = query(prometheus, "model_name_engine:vllm_request_num_preemptions:thrashing_ratio_rate5m")
+            share = float(thrashing["data"]["result"][0]["value"][1])
+            assert 0.05 < share <= 1 and not math.isnan(share)
+        finally:
+            handle.shutdown()
