@@ -111,13 +111,14 @@ def table(r: dict[str, Any]) -> str:
     tp = r.get("throughput", {})
     if "tokens_per_s" in tp:
         lines += ["", f"2. engine_stub throughput ({tp['requests']} requests, preemptions {tp['preemptions']}, "
-                      f"{tp['repetitions']} interleaved reps, receiver: {tp['receiver'].split(' ')[0]})",
-                  f"   {'variant':<22}{'tokens/s':>10}{'/ off':>12}{'paired':>13}"]
-        for name in ("off", "metrics", "full"):
+                      f"{tp['repetitions']} reps, engines in lockstep, receiver: {tp['receiver'].split(' ')[0]})",
+                  f"   {'variant':<22}{'tokens/s':>10}{'/ off':>12}{'paired':>13}{'in hooks':>10}"]
+        for name in tp["tokens_per_s"]:
             rel = tp["tokens_per_s"][name] / tp["tokens_per_s"]["off"]
             paired = tp["ratios_paired_median"].get(f"{name}/off", 1.0)
+            share = tp["time_in_hooks_share"].get(name, 0.0)
             lines.append(f"   {name:<22}{_f(tp['tokens_per_s'][name]):>10}{_f(rel, '{:.3f}'):>12}"
-                         f"{_f(paired, '{:.3f}'):>13}")
+                         f"{_f(paired, '{:.3f}'):>13}{_f(share * 100, '{:.1f}%'):>10}")
         lines.append("   targets: " + ", ".join(f"{k}: {'met' if ok else 'MISSED'}" for k, ok in tp["targets"].items()))
     mem = r.get("memory", {})
     if "bytes_per_inflight_request" in mem:

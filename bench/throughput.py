@@ -1,7 +1,9 @@
 """Section 2: engine_stub tokens/s at a load with preemptions, telemetry off vs on.
 
-Variants, interleaved, each on a fresh engine with the same seed (identical schedules, so
-identical token counts and preemptions):
+Variants, each on a fresh engine with the same seed (identical schedules, so identical token
+counts and preemptions), run in lockstep (one step of each in turn, the order rotated every
+step, each step timed): a whole-run interleaving (ABAB of 2-3 s runs) swings by +-30 % on
+these shared machines, a step-level one does not.
 
 * ``off`` -- no subscriber (the engine does not even build events);
 * ``metrics`` -- setup_telemetry(spans=False), metrics exported over OTLP gRPC to a local
@@ -19,38 +21,116 @@ import time
 from typing import Any, Callable
 
 from engine_stub import Engine, EngineConfig
-from engine_stub.workload import WorkloadSpec, generate, run_workload
+from engine_stub.workload import WorkloadSpec, generate
 from otel_llm.config import TelemetryConfig
 from otel_llm.providers import setup_telemetry
 
-from .common import env, interleave, median, otlp_receiver, ratio
+from .common import env, median, otlp_receiver, ratio
 
 ENGINE = dict(num_kv_blocks=64, block_size=16, max_num_seqs=32, max_num_batched_tokens=256, seed=0,
               load_plugins=False)
 
 
-def _variant(kind: str, requests: list, endpoint: str, interval_ms: int, results: dict) -> Callable[[], float]:
-    def run() -> float:
+class _TimedHooks:
+    """Wraps a subscriber to measure the time spent inside it (on_events + on_step)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.ns = 0
+
+    def on_events(self, events: Any) -> None:
+        t0 = time.perf_counter_ns()
+        self.inner.on_events(events)
+        self.ns += time.perf_counter_ns() - t0
+
+    def on_step(self, stats: Any) -> None:
+        t0 = time.perf_counter_ns()
+        self.inner.on_step(stats)
+        self.ns += time.perf_counter_ns() - t0
+
+
+class _Runner:
+    """``engine_stub.workload.run_workload``'s loop, one iteration at a time."""
+
+    def __init__(self, engine: Engine, requests: list, step_time: float = 0.01) -> None:
+        self.engine, self.pending, self.step_time = engine, sorted(requests, key=lambda r: r.arrival_time), step_time
+        self.next = 0
+        self.clock = 0.0
+        self.steps = 0
+        self.outputs: list = []
+        self.ns = 0
+
+    @property
+    def done(self) -> bool:
+        return self.next >= len(self.pending) and not self.engine.has_unfinished_requests()
+
+    def iteration(self) -> None:
+        t0 = time.perf_counter_ns()
+        engine, pending = self.engine, self.pending
+        if not engine.has_unfinished_requests():
+            self.clock = max(self.clock, pending[self.next].arrival_time)
+        while self.next < len(pending) and pending[self.next].arrival_time <= self.clock:
+            r = pending[self.next]
+            engine.add_request(r.request_id, r.prompt, max_tokens=r.max_tokens, temperature=1.0)
+            self.next += 1
+        self.outputs.extend(engine.step())
+        self.steps += 1
+        self.clock += self.step_time
+        self.ns += time.perf_counter_ns() - t0
+
+
+def _lockstep(requests: list, endpoint: str, interval_ms: int) -> dict[str, dict[str, float]]:
+    """One repetition: the three variants' engines stepped in turn, each step timed on its own."""
+    runners, handles, hooks = {}, [], {}
+    for kind in KINDS:
         engine = Engine(EngineConfig(**ENGINE))
-        handle = None
-        if kind != "off":
-            config = TelemetryConfig(model_name="bench", spans=(kind == "full"),
+        if kind == "floor":
+            from .subscribers import CountingSubscriber
+            hooks[kind] = _TimedHooks(CountingSubscriber())
+            engine.hooks.subscribe(hooks[kind])
+        elif kind != "off":
+            full = kind.startswith("full")
+            config = TelemetryConfig(model_name="bench", engine=kind, spans=full,
                                      metrics_exporters=("otlp",),
-                                     traces_exporters=("otlp",) if kind == "full" else ("none",),
+                                     traces_exporters=("otlp",) if full else ("none",),
                                      metric_export_interval_ms=interval_ms)
             with env(OTEL_EXPORTER_OTLP_ENDPOINT=endpoint, OTEL_EXPORTER_OTLP_PROTOCOL="grpc"):
                 handle = setup_telemetry(config)
-            engine.hooks.subscribe(handle.telemetry)
-        result = run_workload(engine, requests, step_time=0.01, temperature=1.0)
-        if handle is not None:
-            t0 = time.perf_counter()
-            handle.shutdown()  # flush: not part of the timed run, reported apart
-            results.setdefault(f"{kind}_shutdown_s", []).append(time.perf_counter() - t0)
-        results.setdefault(f"{kind}_tokens", set()).add(result.num_output_tokens)
-        results.setdefault(f"{kind}_preemptions", set()).add(result.total_preemptions)
-        results.setdefault(f"{kind}_steps", set()).add(result.steps)
-        return result.tokens_per_second
-    return run
+            if kind.endswith("+inline"):
+                from .proposals import _inline
+                _inline(handle.telemetry)
+            handles.append(handle)
+            hooks[kind] = _TimedHooks(handle.telemetry)
+            engine.hooks.subscribe(hooks[kind])
+        runners[kind] = _Runner(engine, requests)
+    order = list(KINDS)
+    i = 0
+    while not all(r.done for r in runners.values()):
+        k = i % len(order)
+        for kind in order[k:] + order[:k]:
+            if not runners[kind].done:
+                runners[kind].iteration()
+        i += 1
+    flush = {}
+    for handle, kind in zip(handles, [k for k in KINDS if k not in ("off", "floor")]):
+        t0 = time.perf_counter()
+        handle.shutdown()
+        flush[kind] = time.perf_counter() - t0
+    out = {}
+    for kind, r in runners.items():
+        tokens = sum(len(o.token_ids) for o in r.outputs)
+        out[kind] = {"tokens_per_s": tokens / (r.ns / 1e9), "tokens": tokens, "steps": r.steps,
+                     "preemptions": sum(o.num_preemptions for o in r.outputs),
+                     "hooks_share": hooks[kind].ns / r.ns if kind in hooks else 0.0,
+                     "hooks_us_per_step": hooks[kind].ns / 1e3 / r.steps if kind in hooks else 0.0,
+                     "flush_s": flush.get(kind, 0.0)}
+    return out
+
+
+# "floor": the engine publishing its events to a subscriber that only counts them (what emitting
+# events costs the engine at all). "+inline": the same as without, with the measured proposal
+# ``inline_on_events`` (bench/proposals.py) applied.
+KINDS = ("off", "floor", "metrics", "full", "metrics+inline", "full+inline")
 
 
 def run(tiny: bool, reps: int) -> dict[str, Any]:
@@ -58,32 +138,35 @@ def run(tiny: bool, reps: int) -> dict[str, Any]:
     config = EngineConfig(**ENGINE)
     requests = generate(WorkloadSpec(num_requests=num_requests, rate=50.0, seed=0),
                         config.num_kv_blocks * config.block_size)
-    extra: dict[str, Any] = {}
     interval_ms = 1000
     with otlp_receiver() as receiver:
-        variants = {kind: _variant(kind, requests, receiver["grpc"], interval_ms, extra)
-                    for kind in ("off", "metrics", "full")}
-        variants["off"]()  # warm-up (torch, imports)
-        measured = interleave(variants, reps)
-    tps = {k: median(v) for k, v in measured.items()}
-    paired = {k: median([a / b for a, b in zip(measured[k], measured["off"])]) for k in ("metrics", "full")}
+        _lockstep(requests[: max(5, num_requests // 10)], receiver["grpc"], interval_ms)  # warm-up
+        runs = [_lockstep(requests, receiver["grpc"], interval_ms) for _ in range(reps)]
+    tps = {k: [r[k]["tokens_per_s"] for r in runs] for k in KINDS}
+    med = {k: median(v) for k, v in tps.items()}
+    paired = {k: median([r[k]["tokens_per_s"] / r["off"]["tokens_per_s"] for r in runs]) for k in KINDS[1:]}
+    first = runs[0]
     out = {
+        "method": "lockstep: the three engines (same seed and workload, so the same schedule) are stepped "
+                  "in turn, order rotated every step, each step timed on its own; tokens/s = output tokens / "
+                  "summed step time. Background threads (exporters) run whenever they get the GIL.",
         "receiver": receiver["kind"],
         "engine": ENGINE,
         "requests": num_requests,
-        "output_tokens": sorted(extra["off_tokens"]),
-        "preemptions": sorted(extra["off_preemptions"]),
-        "steps": sorted(extra["off_steps"]),
+        "output_tokens": first["off"]["tokens"],
+        "preemptions": first["off"]["preemptions"],
+        "steps": first["off"]["steps"],
         "metric_export_interval_ms": interval_ms,
         "repetitions": reps,
-        "tokens_per_s": tps,
-        "tokens_per_s_all": measured,
-        "ratios": {"metrics/off": ratio(tps["metrics"], tps["off"]), "full/off": ratio(tps["full"], tps["off"])},
-        "ratios_paired_median": {"metrics/off": paired["metrics"], "full/off": paired["full"]},
-        "shutdown_flush_s": {k: median(extra.get(f"{k}_shutdown_s", [])) for k in ("metrics", "full")},
-        "same_schedule": all(len(extra[f"{k}_tokens"]) == 1 and extra[f"{k}_tokens"] == extra["off_tokens"]
-                             and extra[f"{k}_preemptions"] == extra["off_preemptions"]
-                             for k in ("metrics", "full")),
+        "tokens_per_s": med,
+        "tokens_per_s_all": tps,
+        "ratios": {f"{k}/off": ratio(med[k], med["off"]) for k in KINDS[1:]},
+        "ratios_paired_median": {f"{k}/off": paired[k] for k in KINDS[1:]},
+        "time_in_hooks_share": {k: median([r[k]["hooks_share"] for r in runs]) for k in KINDS[1:]},
+        "time_in_hooks_us_per_step": {k: median([r[k]["hooks_us_per_step"] for r in runs]) for k in KINDS[1:]},
+        "shutdown_flush_s": {k: median([r[k]["flush_s"] for r in runs]) for k in KINDS[1:]},
+        "same_schedule": all(r[k]["tokens"] == first["off"]["tokens"] and r[k]["steps"] == first["off"]["steps"]
+                             for r in runs for k in KINDS),
     }
     out["targets"] = {"full/off >= 0.98": out["ratios"]["full/off"] >= 0.98}
     return out
