@@ -5,7 +5,9 @@ For each engine count: ``setup_telemetry(prometheus_port=0)`` plus an InMemoryMe
 workload (arrivals, preemptions, tokens, finishes with two reasons). Then:
 
 * scrape: HTTP GET of /metrics from the endpoint (classic text, and OpenMetrics), ms per scrape
-  (median) and bytes; the scrape runs in this process and holds its GIL meanwhile;
+  (median) and bytes; the scrape runs in this process and holds its GIL meanwhile; and the
+  rendering alone (``PrometheusEndpoint.render``, no HTTP) next to (b): prometheus_client's
+  ``generate_latest`` of the same metrics of the same engines written the vLLM way;
 * collect: ``InMemoryMetricReader.get_metrics_data()`` (what any reader pays first), ms;
 * OTLP: ``OTLPMetricExporter.export()`` of that MetricsData over gRPC to a local receiver
   (rotel-agent), ms, and the serialized protobuf size (``encode_metrics``), and encode time.
@@ -60,6 +62,8 @@ def one(engines: int, mix: Any, endpoint: str, reps: int) -> dict[str, Any]:
         _get(url, "text/plain")  # warm-up
         text_ms, text_body = _timed(lambda: _get(url, "text/plain"), reps)
         om_ms, om_body = _timed(lambda: _get(url, "application/openmetrics-text; version=1.0.0"), reps)
+        render_ms, _ = _timed(lambda: handle.prometheus.render("text/plain"), reps)
+        base = _prometheus_client_baseline(engines, mix, reps)
         collect_ms, data = _timed(reader.get_metrics_data, reps)
         encode_ms, encoded = _timed(lambda: encode_metrics(data).SerializeToString(), reps)
         exporter = OTLPMetricExporter(endpoint=endpoint, insecure=True)
@@ -77,6 +81,11 @@ def one(engines: int, mix: Any, endpoint: str, reps: int) -> dict[str, Any]:
             "scrape_text_bytes": len(text_body),
             "scrape_openmetrics_ms": om_ms,
             "scrape_openmetrics_bytes": len(om_body),
+            "render_text_ms": render_ms,
+            "prometheus_client_render_text_ms": base["render_text_ms"],
+            "prometheus_client_text_bytes": base["text_bytes"],
+            "prometheus_client_samples": base["samples"],
+            "render_ratio_ours/prometheus_client": render_ms / base["render_text_ms"] if base["render_text_ms"] else None,
             "collect_ms": collect_ms,
             "otlp_encode_ms": encode_ms,
             "otlp_bytes": len(encoded),
@@ -85,6 +94,29 @@ def one(engines: int, mix: Any, endpoint: str, reps: int) -> dict[str, Any]:
         }
     finally:
         handle.shutdown()
+
+
+def _prometheus_client_baseline(engines: int, mix: Any, reps: int) -> dict[str, Any]:
+    """(b) for scrapes: the vLLM-style prometheus_client metrics of ``engines`` engines in one
+    registry (one family per metric, an ``engine`` label), fed the same workload, rendered in text."""
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.exposition import generate_latest
+
+    from .subscribers import PrometheusClientSubscriber
+
+    registry = CollectorRegistry(auto_describe=False)
+    first = PrometheusClientSubscriber(TelemetryConfig(model_name="bench", engine="0"), registry=registry)
+    subs = [first] + [PrometheusClientSubscriber(TelemetryConfig(model_name="bench", engine=str(i)),
+                                                 registry=registry, families=first._families)
+                      for i in range(1, engines)]
+    for sub in subs:
+        for events, stats in mix.warmup + mix.steps:
+            sub.on_events(events)
+            sub.on_step(stats)
+    generate_latest(registry)
+    ms, body = _timed(lambda: generate_latest(registry), reps)
+    samples = sum(1 for line in body.splitlines() if line and not line.startswith(b"#"))
+    return {"render_text_ms": ms, "text_bytes": len(body), "samples": samples}
 
 
 def run(tiny: bool, reps: int) -> dict[str, Any]:

@@ -107,9 +107,9 @@ def sanity(mix: EventMix) -> dict[str, Any]:
     return {"ok": not mismatches, "mismatches": mismatches, "totals": totals}
 
 
-def profile_ours(mix: EventMix, top: int = 25) -> dict[str, Any]:
+def profile_ours(mix: EventMix, top: int = 25, name: str = "ours") -> dict[str, Any]:
     """cProfile of our subscriber over the measured steps: top functions by cumulative time."""
-    sub = SUBSCRIBERS["ours"][1]()
+    sub = SUBSCRIBERS[name][1]()
     replay(sub, mix.warmup)
     prof = cProfile.Profile()
     prof.enable()

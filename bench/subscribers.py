@@ -47,7 +47,10 @@ class CountingSubscriber:
 class PrometheusClientSubscriber:
     """(b) vLLM-style: prometheus_client children bound once, one call per observation."""
 
-    def __init__(self, config: TelemetryConfig, registry: Optional[CollectorRegistry] = None) -> None:
+    def __init__(self, config: TelemetryConfig, registry: Optional[CollectorRegistry] = None,
+                 families: Optional[dict[str, Any]] = None) -> None:
+        """``families``: another instance's ``_families`` -- engines sharing one registry (vLLM's
+        data-parallel ranks: one family per metric, an ``engine`` label per rank)."""
         self.registry = registry if registry is not None else CollectorRegistry()
         self.lock = threading.Lock()
         labels = base_attributes(config)  # model_name, engine
@@ -58,6 +61,11 @@ class PrometheusClientSubscriber:
         for m in METRICS:
             name = m.name(config.naming).replace(".", "_")
             extra = [m.label] if m.label else []
+            if families is not None:
+                family = self._families[m.key] = families[m.key]
+                if not extra:
+                    bound[m.key] = family.labels(*values)
+                continue
             if m.kind == "counter":
                 family = Counter(name, m.meaning, names + extra, registry=self.registry)
             elif m.kind == "gauge":
