@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
@@ -22,12 +23,14 @@ from opentelemetry.sdk.metrics._internal.exemplar import (
 )
 from opentelemetry.sdk.metrics.export import (
     ConsoleMetricExporter,
+    MetricExporter,
+    MetricExportResult,
     MetricReader,
     PeriodicExportingMetricReader,
 )
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter, SpanExportResult
 
 from .config import TelemetryConfig
 from .metrics import views
@@ -55,6 +58,7 @@ class TelemetryHandle:
     tracer_provider: Any
     prometheus: Any = None  # otel_llm.prometheus.PrometheusEndpoint when serving /metrics
     engines: list[EngineTelemetry] = field(default_factory=list)
+    accounting: Optional["ExportAccounting"] = None  # what the exporters lost (and delivered)
     _closed: bool = False
 
     @property
@@ -72,6 +76,8 @@ class TelemetryHandle:
     def force_flush(self, timeout_millis: int = 10_000) -> bool:
         ok = True
         for provider in (self.tracer_provider, self.meter_provider):
+            if provider is self.meter_provider and self.accounting is not None:
+                self.accounting.flush()  # span losses onto dropped_events before metrics go out
             flush = getattr(provider, "force_flush", None)
             if flush is not None:
                 ok = bool(flush(timeout_millis)) and ok
@@ -84,6 +90,8 @@ class TelemetryHandle:
         for telemetry in self.engines:
             telemetry.shutdown()
         for provider in (self.tracer_provider, self.meter_provider):
+            if provider is self.meter_provider and self.accounting is not None:
+                self.accounting.flush()
             stop = getattr(provider, "shutdown", None)
             if stop is not None:
                 try:
@@ -131,8 +139,10 @@ def setup_telemetry(config: Optional[TelemetryConfig] = None, *,
         prometheus.start()
         readers.append(prometheus.reader)
     interval = config.metric_export_interval_ms or 60_000
+    accounting = ExportAccounting()
     if "otlp" in metrics_exporters:
-        readers.append(PeriodicExportingMetricReader(_otlp_metric_exporter(config, env),
+        readers.append(PeriodicExportingMetricReader(_CountingMetricExporter(_otlp_metric_exporter(config, env),
+                                                                             accounting),
                                                      export_interval_millis=interval))
     if "console" in metrics_exporters:
         readers.append(PeriodicExportingMetricReader(ConsoleMetricExporter(), export_interval_millis=interval))
@@ -143,7 +153,7 @@ def setup_telemetry(config: Optional[TelemetryConfig] = None, *,
                                    exemplar_filter=_EXEMPLAR_FILTERS[filter_name]())
     tracer_provider = TracerProvider(resource=resource)
     if "otlp" in traces_exporters:
-        tracer_provider.add_span_processor(BatchSpanProcessor(_otlp_span_exporter(config, env)))
+        tracer_provider.add_span_processor(_counting_processor(_otlp_span_exporter(config, env), accounting))
     if "console" in traces_exporters:
         tracer_provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
     for processor in extra_span_processors:
@@ -151,9 +161,140 @@ def setup_telemetry(config: Optional[TelemetryConfig] = None, *,
 
     telemetry = EngineTelemetry(config, meter_provider=meter_provider, tracer_provider=tracer_provider,
                                 fast_path=True)
+    accounting.telemetry = telemetry
     _log.info("otel_llm telemetry: metrics=%s traces=%s prometheus=%s settings=%s", metrics_exporters,
               traces_exporters, prometheus.url if prometheus else None, config.redacted())
-    return TelemetryHandle(config, telemetry, meter_provider, tracer_provider, prometheus, engines=[telemetry])
+    return TelemetryHandle(config, telemetry, meter_provider, tracer_provider, prometheus, engines=[telemetry],
+                           accounting=accounting)
+
+
+# Reasons on otel_llm.dropped_events for telemetry the export path lost (counted in items).
+SPANS_QUEUE_FULL = "spans_queue_full"  # BatchSpanProcessor queue full (collector slow or down)
+SPANS_AFTER_SHUTDOWN = "spans_after_shutdown"
+SPANS_EXPORT_FAILED = "spans_export_failed"  # the exporter gave up on a batch (after its retries)
+METRIC_POINTS_EXPORT_FAILED = "metric_points_export_failed"  # cumulative: the next export carries them
+
+
+class ExportAccounting:
+    """Counts what the export path lost, by reason, and what it delivered.
+
+    Counted from any thread under a lock of its own; put onto ``otel_llm.dropped_events`` by
+    :meth:`flush`, which the exporter threads call before each export (never the engine's
+    thread: it may hold the telemetry's lock). ``dropped``/``exported`` are running totals.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.dropped: dict[str, int] = {}
+        self.exported: dict[str, int] = {}
+        self._pending: dict[str, int] = {}
+        self.telemetry: Optional[EngineTelemetry] = None
+
+    def drop(self, reason: str, n: int) -> None:
+        if n > 0:
+            with self._lock:
+                self.dropped[reason] = self.dropped.get(reason, 0) + n
+                self._pending[reason] = self._pending.get(reason, 0) + n
+
+    def delivered(self, kind: str, n: int) -> None:
+        with self._lock:
+            self.exported[kind] = self.exported.get(kind, 0) + n
+
+    def flush(self) -> None:
+        telemetry = self.telemetry
+        if telemetry is None:
+            return
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        if pending:
+            with telemetry._lock:
+                for reason, n in pending.items():
+                    for _ in range(n):
+                        telemetry.metrics.dropped(reason)
+
+
+class _ProcessorDrops:
+    """Stands in for the SDK 1.45 BatchProcessor's metrics hook: ``drop_items`` is called
+    exactly when a span is dropped (queue full, or after shutdown)."""
+
+    def __init__(self, inner: Any, accounting: ExportAccounting) -> None:
+        self._inner = inner
+        self._accounting = accounting
+
+    def register_queue_size(self, get_queue_size: Any) -> None:
+        self._inner.register_queue_size(get_queue_size)
+
+    def drop_items(self, count: int, error_type: str = "queue_full") -> None:
+        self._accounting.drop(SPANS_AFTER_SHUTDOWN if error_type == "already_shutdown" else SPANS_QUEUE_FULL, count)
+        self._inner.drop_items(count, error_type)
+
+    def finish_items(self, count: int) -> None:
+        self._inner.finish_items(count)
+
+
+def _counting_processor(exporter: SpanExporter, accounting: ExportAccounting) -> BatchSpanProcessor:
+    processor = BatchSpanProcessor(_CountingSpanExporter(exporter, accounting))
+    batch = getattr(processor, "_batch_processor", None)  # SDK 1.45 internals (pinned)
+    if batch is not None and hasattr(batch, "_metrics"):
+        batch._metrics = _ProcessorDrops(batch._metrics, accounting)
+    return processor
+
+
+class _CountingSpanExporter(SpanExporter):
+    def __init__(self, exporter: SpanExporter, accounting: ExportAccounting) -> None:
+        self._exporter = exporter
+        self._accounting = accounting
+
+    def export(self, spans: Sequence[Any]) -> SpanExportResult:
+        self._accounting.flush()
+        try:
+            result = self._exporter.export(spans)
+        except Exception:  # noqa: BLE001 - counted, then as the SDK would: logged, batch lost
+            _log.warning("otel_llm: span export raised", exc_info=True)
+            result = SpanExportResult.FAILURE
+        if result is SpanExportResult.SUCCESS:
+            self._accounting.delivered("spans", len(spans))
+        else:
+            self._accounting.drop(SPANS_EXPORT_FAILED, len(spans))
+        return result
+
+    def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
+        try:
+            self._exporter.shutdown(timeout_millis=timeout_millis, **kwargs)  # type: ignore[call-arg]
+        except TypeError:
+            self._exporter.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30_000) -> bool:
+        return self._exporter.force_flush(timeout_millis)
+
+
+class _CountingMetricExporter(MetricExporter):
+    def __init__(self, exporter: MetricExporter, accounting: ExportAccounting) -> None:
+        super().__init__(preferred_temporality=exporter._preferred_temporality,
+                         preferred_aggregation=exporter._preferred_aggregation)
+        self._exporter = exporter
+        self._accounting = accounting
+
+    def export(self, metrics_data: Any, timeout_millis: float = 10_000, **kwargs: Any) -> MetricExportResult:
+        self._accounting.flush()
+        try:
+            result = self._exporter.export(metrics_data, timeout_millis=timeout_millis, **kwargs)
+        except Exception:  # noqa: BLE001
+            _log.warning("otel_llm: metric export raised", exc_info=True)
+            result = MetricExportResult.FAILURE
+        points = sum(len(m.data.data_points) for rm in metrics_data.resource_metrics for sm in rm.scope_metrics
+                     for m in sm.metrics)
+        if result is MetricExportResult.SUCCESS:
+            self._accounting.delivered("metric_points", points)
+        else:
+            self._accounting.drop(METRIC_POINTS_EXPORT_FAILED, points)
+        return result
+
+    def force_flush(self, timeout_millis: float = 10_000) -> bool:
+        return self._exporter.force_flush(timeout_millis=timeout_millis)
+
+    def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
+        self._exporter.shutdown(timeout_millis=timeout_millis, **kwargs)
 
 
 def _resource(config: TelemetryConfig) -> Resource:
