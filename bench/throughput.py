@@ -94,7 +94,10 @@ def _lockstep(requests: list, endpoint: str, interval_ms: int) -> dict[str, dict
                                      metrics_exporters=("otlp",),
                                      traces_exporters=("otlp",) if full else ("none",),
                                      metric_export_interval_ms=interval_ms)
-            with env(OTEL_EXPORTER_OTLP_ENDPOINT=endpoint, OTEL_EXPORTER_OTLP_PROTOCOL="grpc"):
+            sampled = kind.endswith("+sampled10")
+            with env(OTEL_EXPORTER_OTLP_ENDPOINT=endpoint, OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
+                     OTEL_TRACES_SAMPLER="parentbased_traceidratio" if sampled else None,
+                     OTEL_TRACES_SAMPLER_ARG="0.1" if sampled else None):
                 handle = setup_telemetry(config)
             if kind.endswith("+inline"):
                 from .proposals import _inline
@@ -129,8 +132,10 @@ def _lockstep(requests: list, endpoint: str, interval_ms: int) -> dict[str, dict
 
 # "floor": the engine publishing its events to a subscriber that only counts them (what emitting
 # events costs the engine at all). "+inline": the same as without, with the measured proposal
-# ``inline_on_events`` (bench/proposals.py) applied.
-KINDS = ("off", "floor", "metrics", "full", "metrics+inline", "full+inline")
+# ``inline_on_events`` (bench/proposals.py) applied. "+sampled10": the standard sampler knob,
+# OTEL_TRACES_SAMPLER=parentbased_traceidratio with OTEL_TRACES_SAMPLER_ARG=0.1 (10 % of requests
+# traced; metrics unchanged, exemplars only from traced requests).
+KINDS = ("off", "floor", "metrics", "full", "metrics+inline", "full+inline", "full+sampled10")
 
 
 def run(tiny: bool, reps: int) -> dict[str, Any]:
