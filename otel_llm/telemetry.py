@@ -11,6 +11,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from typing import Any, Iterable, Optional, Sequence
 
 from opentelemetry import metrics as metrics_api
@@ -26,6 +27,25 @@ from .tracker import RequestState, RequestSummary, Tracker
 _log = logging.getLogger(__name__)
 _EMPTY_CONTEXT = Context()  # records with no request span must not pick up an unrelated current span
 _warned_providers: set[int] = set()
+_instances: "weakref.WeakSet[EngineTelemetry]" = weakref.WeakSet()
+
+
+def _new_locks_after_fork() -> None:
+    """In a forked child, a lock that another thread of the parent held stays held forever
+    (that thread does not exist in the child): give every telemetry a fresh lock, one per lock
+    shared before (the engines of one MeterProvider share their recorder hub's lock)."""
+    fresh: dict[int, threading.Lock] = {}
+    for telemetry in list(_instances):
+        old = telemetry._lock
+        new = fresh.setdefault(id(old), threading.Lock())
+        telemetry._lock = new
+        for owner in (telemetry.metrics, getattr(telemetry.metrics, "hub", None)):
+            if getattr(owner, "lock", None) is old:
+                owner.lock = new  # type: ignore[union-attr]
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_locks_after_fork)
 
 
 class DropLog:
@@ -82,6 +102,7 @@ class EngineTelemetry:
         self.tracker = Tracker(self, config.max_inflight_requests)
         self._drops = DropLog()
         self._closed = False
+        _instances.add(self)
 
     # -- the hook bus interface ----------------------------------------------------------
 
