@@ -126,6 +126,11 @@ def table(r: dict[str, Any]) -> str:
             share = tp["time_in_hooks_share"].get(name, 0.0)
             lines.append(f"   {name:<22}{_f(tp['tokens_per_s'][name]):>10}{_f(rel, '{:.3f}'):>12}"
                          f"{_f(paired, '{:.3f}'):>13}{_f(share * 100, '{:.1f}%'):>10}")
+        for mode, data in tp.get("in_engine_breakdown", {}).items():
+            top = sorted(data["methods"].items(), key=lambda kv: kv[1]["total_ms"], reverse=True)[:4]
+            lines.append(f"   in-engine, {mode}: " + "; ".join(
+                f"{label.split(' (')[0]} {row['median_us']:.0f} us x{row['calls']} ({row['share_of_hooks'] * 100:.0f}%)"
+                for label, row in top))
         lines.append("   targets: " + ", ".join(f"{k}: {'met' if ok else 'MISSED'}" for k, ok in tp["targets"].items()))
     mem = r.get("memory", {})
     if "bytes_per_inflight_request" in mem:
@@ -134,7 +139,9 @@ def table(r: dict[str, Any]) -> str:
                   "   bytes per in-flight request: " + ", ".join(f"{k} {_f(v)}" for k, v in b.items()),
                   f"   RSS over {f['requests']:,} finished requests: first {f['rss_first_bytes'] / 2**20:.1f} MiB, "
                   f"last {f['rss_last_bytes'] / 2**20:.1f} MiB, slope {_f(f['slope_bytes_per_request'], '{:.3f}')} "
-                  f"B/request ({_f(f['ns_per_event'])} ns/event)",
+                  f"B/request, objects {f['allocated_blocks_growth']:+d} blocks",
+                  "   us per request, finished-id memory full: " + ", ".join(
+                      f"{k} {v:.1f}" for k, v in mem["steady_state_cost"]["us_per_request"].items()),
                   "   targets: " + ", ".join(f"{k}: {'met' if ok else 'MISSED'}" for k, ok in mem["targets"].items())]
     ex = r.get("export", {})
     if "by_engines" in ex:

@@ -135,6 +135,67 @@ def _lockstep(requests: list, endpoint: str, interval_ms: int) -> dict[str, dict
 # ``inline_on_events`` (bench/proposals.py) applied. "+sampled10": the standard sampler knob,
 # OTEL_TRACES_SAMPLER=parentbased_traceidratio with OTEL_TRACES_SAMPLER_ARG=0.1 (10 % of requests
 # traced; metrics unchanged, exemplars only from traced requests).
+def breakdown(requests: list) -> dict[str, Any]:
+    """Where the time inside the hooks goes, in the engine (cold caches between steps, unlike a
+    replay loop): the telemetry's per-request methods wrapped with timers, median and total per
+    method, for metrics only and with spans (InMemoryMetricReader; BatchSpanProcessor to a null
+    exporter). Nested: ``request_finished`` includes ``FastMetrics.finished``, which includes the
+    SDK ``record`` of request_num_preemptions."""
+    import statistics
+
+    from otel_llm import tracker as tracker_module
+
+    from .subscribers import otel_subscriber
+
+    out: dict[str, Any] = {}
+    for spans in (False, True):
+        sub = otel_subscriber(TelemetryConfig(model_name="bench", spans=spans))
+        tel = sub.telemetry
+        times: dict[str, list[int]] = {}
+
+        def timed(fn: Callable[..., Any], label: str) -> Callable[..., Any]:
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                t0 = time.perf_counter_ns()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    times.setdefault(label, []).append(time.perf_counter_ns() - t0)
+            return wrapper
+
+        class _Instrument:
+            def __init__(self, inner: Any) -> None:
+                self.record = timed(inner.record, "sdk Histogram.record(request_num_preemptions)")
+
+        m = tel.metrics
+        m.h_preemptions = _Instrument(m.h_preemptions)
+        m.finished = timed(m.finished, "FastMetrics.finished (10 cells + the sdk record)")
+        tel.request_finished = timed(tel.request_finished, "EngineTelemetry.request_finished (metrics + span end)")
+        tel.request_arrived = timed(tel.request_arrived, "EngineTelemetry.request_arrived (span start)")
+        tel.request_preempted = timed(tel.request_preempted, "EngineTelemetry.request_preempted")
+        tel.first_token = timed(tel.first_token, "EngineTelemetry.first_token")
+        tel.tokens = timed(tel.tokens, "EngineTelemetry.tokens (counter + ITL cell)")
+        original = tracker_module.summarize
+        tracker_module.summarize = timed(original, "tracker.summarize (RequestSummary)")
+        hooks = _TimedHooks(tel)
+        engine = Engine(EngineConfig(**ENGINE))
+        engine.hooks.subscribe(hooks)
+        runner = _Runner(engine, requests)
+        try:
+            while not runner.done:
+                runner.iteration()
+        finally:
+            tracker_module.summarize = original
+        sub.shutdown()
+        out["spans_on" if spans else "metrics_only"] = {
+            "time_in_hooks_ms": hooks.ns / 1e6,
+            "engine_ms": runner.ns / 1e6,
+            "methods": {label: {"calls": len(v), "median_us": statistics.median(v) / 1e3,
+                                "total_ms": sum(v) / 1e6, "share_of_hooks": sum(v) / hooks.ns}
+                        for label, v in times.items()},
+        }
+    return out
+
+
 KINDS = ("off", "floor", "metrics", "full", "metrics+inline", "full+inline", "full+sampled10")
 
 
@@ -147,6 +208,7 @@ def run(tiny: bool, reps: int) -> dict[str, Any]:
     with otlp_receiver() as receiver:
         _lockstep(requests[: max(5, num_requests // 10)], receiver["grpc"], interval_ms)  # warm-up
         runs = [_lockstep(requests, receiver["grpc"], interval_ms) for _ in range(reps)]
+    where = breakdown(requests)
     tps = {k: [r[k]["tokens_per_s"] for r in runs] for k in KINDS}
     med = {k: median(v) for k, v in tps.items()}
     paired = {k: median([r[k]["tokens_per_s"] / r["off"]["tokens_per_s"] for r in runs]) for k in KINDS[1:]}
@@ -173,5 +235,6 @@ def run(tiny: bool, reps: int) -> dict[str, Any]:
         "same_schedule": all(r[k]["tokens"] == first["off"]["tokens"] and r[k]["steps"] == first["off"]["steps"]
                              for r in runs for k in KINDS),
     }
+    out["in_engine_breakdown"] = where
     out["targets"] = {"full/off >= 0.98": out["ratios"]["full/off"] >= 0.98}
     return out
