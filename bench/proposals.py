@@ -41,6 +41,8 @@ from .subscribers import OtelSubscriber, otel_subscriber
 
 _TOKENS = EventType.TOKENS
 _ARRIVED = EventType.ARRIVED
+# The core's upper bound on timestamps (+inf would poison sums), where this core version has one.
+_MAX_TS = getattr(_t, "MAX_TIMESTAMP", float("inf"))
 
 
 class EnumConstantsTracker(Tracker):
@@ -63,6 +65,9 @@ class EnumConstantsTracker(Tracker):
         if not ts >= req.last_ts:  # also catches NaN
             self.sink.dropped(_t.TIME_BACKWARDS if _t._finite(ts) else _t.INVALID_VALUE, event)
             return
+        if ts > _MAX_TS:
+            self.sink.dropped(_t.INVALID_VALUE, event)
+            return
         handler(event, req)
 
 
@@ -72,7 +77,7 @@ class TokensFastPathTracker(Tracker):
             req = self.inflight.get(event.request_id)
             if req is not None and req.first_token is not None:
                 ts, n = event.timestamp, event.num_tokens
-                if ts >= req.last_ts and type(n) is int and n >= 0:
+                if req.last_ts <= ts <= _MAX_TS and type(n) is int and n >= 0:
                     req.last_ts = ts
                     last = req.last_token
                     req.last_token = ts
@@ -164,7 +169,7 @@ def _inline(telemetry: Any) -> None:
                                 req = inflight.get(event.request_id)
                                 if req is not None and req.first_token is not None:
                                     ts, n = event.timestamp, event.num_tokens
-                                    if ts >= req.last_ts and type(n) is int and n >= 0:
+                                    if req.last_ts <= ts <= _MAX_TS and type(n) is int and n >= 0:
                                         req.last_ts = ts
                                         last = req.last_token
                                         req.last_token = ts
