@@ -35,6 +35,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExport
 from .config import TelemetryConfig
 from .metrics import views
 from .telemetry import EngineTelemetry
+from .tracker import METRIC_POINTS_EXPORT_FAILED, SPANS_AFTER_SHUTDOWN, SPANS_EXPORT_FAILED, SPANS_QUEUE_FULL
 
 _log = logging.getLogger(__name__)
 
@@ -168,11 +169,6 @@ def setup_telemetry(config: Optional[TelemetryConfig] = None, *,
                            accounting=accounting)
 
 
-# Reasons on otel_llm.dropped_events for telemetry the export path lost (counted in items).
-SPANS_QUEUE_FULL = "spans_queue_full"  # BatchSpanProcessor queue full (collector slow or down)
-SPANS_AFTER_SHUTDOWN = "spans_after_shutdown"
-SPANS_EXPORT_FAILED = "spans_export_failed"  # the exporter gave up on a batch (after its retries)
-METRIC_POINTS_EXPORT_FAILED = "metric_points_export_failed"  # cumulative: the next export carries them
 
 
 class ExportAccounting:

@@ -29,8 +29,15 @@ INVALID_TRANSITION = "invalid_transition"
 UNKNOWN_EVENT_TYPE = "unknown_event_type"
 EVICTED = "evicted"  # a whole request, pushed out by the in-flight cap
 INTERNAL_ERROR = "internal_error"
+# What the export path lost, counted in items by otel_llm.providers; listed here so that every
+# reason's series exists (at 0) from the start.
+SPANS_QUEUE_FULL = "spans_queue_full"  # BatchSpanProcessor queue full (collector slow or down)
+SPANS_AFTER_SHUTDOWN = "spans_after_shutdown"
+SPANS_EXPORT_FAILED = "spans_export_failed"  # the exporter gave up on a batch (after its retries)
+METRIC_POINTS_EXPORT_FAILED = "metric_points_export_failed"  # cumulative: the next export carries them
 DROP_REASONS = (UNKNOWN_REQUEST, DUPLICATE_ARRIVAL, DUPLICATE_FINISH, AFTER_FINISH, TIME_BACKWARDS,
-                INVALID_VALUE, INVALID_TRANSITION, UNKNOWN_EVENT_TYPE, EVICTED, INTERNAL_ERROR)
+                INVALID_VALUE, INVALID_TRANSITION, UNKNOWN_EVENT_TYPE, EVICTED, INTERNAL_ERROR,
+                SPANS_QUEUE_FULL, SPANS_AFTER_SHUTDOWN, SPANS_EXPORT_FAILED, METRIC_POINTS_EXPORT_FAILED)
 
 MAX_ID_LENGTH = 256  # longer request ids are rejected: ids go into span attributes
 # Timestamps are monotonic seconds (>= 0); beyond this (~317 years) a span time no longer fits
