@@ -316,12 +316,41 @@ def _endpoint(config: TelemetryConfig, env: Mapping[str, str], signal: str, prot
     if specific:
         if not specific.startswith(("http://", "https://")) or not specific.split("://", 1)[1]:
             raise ValueError(f"{var}={specific!r}: must be an http:// or https:// URL, e.g. http://127.0.0.1:4317")
-        return specific
-    if not config.otlp_endpoint:
+        endpoint, source = specific, var
+    elif not config.otlp_endpoint:
         return None
-    if protocol == "http/protobuf":
-        return config.otlp_endpoint.rstrip("/") + f"/v1/{signal}"
-    return config.otlp_endpoint
+    elif protocol == "http/protobuf":
+        endpoint, source = config.otlp_endpoint.rstrip("/") + f"/v1/{signal}", "OTEL_EXPORTER_OTLP_ENDPOINT"
+    else:
+        endpoint, source = config.otlp_endpoint, "OTEL_EXPORTER_OTLP_ENDPOINT"
+    scheme, _, rest = endpoint.partition("://")
+    if protocol == "grpc" and "@" in rest.split("/", 1)[0]:
+        # gRPC does not send URL credentials, and its exporter logs the endpoint on every failure.
+        raise ValueError(f"{source}={scheme}://***@{rest.split('@', 1)[1]!s}: credentials in a gRPC endpoint URL "
+                         "are not supported (they would be logged); pass them in OTEL_EXPORTER_OTLP_HEADERS")
+    return endpoint
+
+
+def _http_session() -> Any:
+    """A requests Session that keeps the exporter's CA file (OTEL_EXPORTER_OTLP_[SIGNAL_]CERTIFICATE).
+
+    requests lets REQUESTS_CA_BUNDLE / CURL_CA_BUNDLE, when set in the environment (common in
+    containers), override a Session's ``verify``: the certificate variable was then silently
+    ignored and every export to a private-CA collector failed verification. None (the SDK's own
+    session) when a credential provider plugin supplies the session.
+    """
+    if any(k.startswith("OTEL_PYTHON_EXPORTER_OTLP_HTTP") and k.endswith("CREDENTIAL_PROVIDER") for k in os.environ):
+        return None
+    import requests
+
+    class _Session(requests.Session):
+        def merge_environment_settings(self, url, proxies, stream, verify, cert):  # type: ignore[no-untyped-def]
+            settings = super().merge_environment_settings(url, proxies, stream, verify, cert)
+            if verify is None and isinstance(self.verify, str):
+                settings["verify"] = self.verify
+            return settings
+
+    return _Session()
 
 
 def _otlp_metric_exporter(config: TelemetryConfig, env: Mapping[str, str]) -> Any:
@@ -331,6 +360,8 @@ def _otlp_metric_exporter(config: TelemetryConfig, env: Mapping[str, str]) -> An
         from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
     else:
         from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter  # type: ignore
+
+        return OTLPMetricExporter(endpoint=endpoint, session=_http_session())
     return OTLPMetricExporter(endpoint=endpoint)  # headers, TLS, compression, timeout, temporality: env
 
 
@@ -341,4 +372,6 @@ def _otlp_span_exporter(config: TelemetryConfig, env: Mapping[str, str]) -> Any:
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
     else:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter  # type: ignore
+
+        return OTLPSpanExporter(endpoint=endpoint, session=_http_session())
     return OTLPSpanExporter(endpoint=endpoint)
