@@ -119,7 +119,8 @@ def table(r: dict[str, Any]) -> str:
     if "tokens_per_s" in tp:
         lines += ["", f"2. engine_stub throughput ({tp['requests']} requests, preemptions {tp['preemptions']}, "
                       f"{tp['repetitions']} reps, engines in lockstep, receiver: {tp['receiver'].split(' ')[0]})",
-                  f"   {'variant':<22}{'tokens/s':>10}{'/ off':>12}{'paired':>13}{'in hooks':>10}"]
+                  f"   {'variant':<22}{'tokens/s':>10}{'/ off':>12}{'paired':>13}{'in hooks':>10}",
+                  "   (/ off: ratio of per-variant medians; paired: median of per-repetition ratios, the judged one)"]
         for name in tp["tokens_per_s"]:
             rel = tp["tokens_per_s"][name] / tp["tokens_per_s"]["off"]
             paired = tp["ratios_paired_median"].get(f"{name}/off", 1.0)

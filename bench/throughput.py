@@ -236,5 +236,7 @@ def run(tiny: bool, reps: int) -> dict[str, Any]:
                              for r in runs for k in KINDS),
     }
     out["in_engine_breakdown"] = where
-    out["targets"] = {"full/off >= 0.98": out["ratios"]["full/off"] >= 0.98}
+    # Judged on the paired ratio: in lockstep, the variants of one repetition share the machine's
+    # conditions; medians taken per variant across repetitions mix different conditions.
+    out["targets"] = {"full/off >= 0.98 (paired median)": paired["full"] >= 0.98}
     return out
