@@ -16,6 +16,7 @@ Two recorders implement the same small interface (what the telemetry observes):
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import weakref
 from dataclasses import dataclass
@@ -92,7 +93,8 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("request_success", "counter", "{request}", "vllm:request_success", "llm.server.requests",
               "Finished requests by finish reason.", label="finished_reason"),
     MetricDef("dropped_events", "counter", "{event}", "otel_llm.dropped_events", "otel_llm.dropped_events",
-              "Events the telemetry dropped (impossible or invalid), and requests it evicted, by reason.",
+              "What the telemetry lost, by reason: invalid or impossible events, evicted requests, "
+              "spans and metric points the export path dropped.",
               label="reason"),
     MetricDef("num_requests_running", "gauge", "{request}", "vllm:num_requests_running",
               "llm.server.requests.running", "Requests running in the last engine step."),
@@ -193,8 +195,12 @@ def provider_has_views(meter_provider: Any, config: TelemetryConfig) -> bool:
     )
 
 
+MAX_LABEL_LENGTH = 128
+
+
 class LabelLimiter:
-    """Bounds the distinct values of a user-derived label; the rest map to ``overflow``."""
+    """Bounds a user-derived label: at most ``limit`` distinct values (the rest map to
+    ``overflow``), each at most MAX_LABEL_LENGTH characters."""
 
     def __init__(self, limit: int) -> None:
         self._limit = limit
@@ -203,9 +209,13 @@ class LabelLimiter:
     def __call__(self, value: str) -> str:
         if value in self._seen:
             return value
-        if len(self._seen) >= self._limit or not isinstance(value, str):
+        if not isinstance(value, str):
             return OVERFLOW_LABEL_VALUE
-        self._seen.add(value)
+        value = value[:MAX_LABEL_LENGTH]
+        if value not in self._seen:
+            if len(self._seen) >= self._limit:
+                return OVERFLOW_LABEL_VALUE
+            self._seen.add(value)
         return value
 
 
@@ -220,7 +230,7 @@ class Recorder:
     def finished(self, values: dict[str, float], finish_reason: str, num_preemptions: int,
                  exemplar: Optional[ExemplarIds], ctx: Any) -> None: ...
     def step(self, stats: StepStats) -> None: ...
-    def dropped(self, reason: str) -> None: ...
+    def dropped(self, reason: str, n: int = 1) -> None: ...
 
 
 # ---------------------------------------------------------------------------------------
@@ -291,6 +301,15 @@ class _Hub:
 
 _hubs: "weakref.WeakKeyDictionary[Any, _Hub]" = weakref.WeakKeyDictionary()
 _hubs_lock = threading.Lock()
+
+
+def _new_hubs_lock_after_fork() -> None:
+    global _hubs_lock  # a child must not inherit it held by a parent's thread
+    _hubs_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_hubs_lock_after_fork)
 
 
 def _hub_for(meter_provider: MeterProvider, config: TelemetryConfig) -> _Hub:
@@ -389,8 +408,8 @@ class FastMetrics(Recorder):
         if stats.num_batched_tokens > 0:
             self.h_iteration.observe(stats.num_batched_tokens)
 
-    def dropped(self, reason: str) -> None:
-        self.drops[reason] = self.drops.get(reason, 0) + 1
+    def dropped(self, reason: str, n: int = 1) -> None:
+        self.drops[reason] = self.drops.get(reason, 0) + n
 
 
 # Per-request histograms recorded at finish, by metric key (request_num_preemptions apart).
@@ -464,5 +483,5 @@ class SdkMetrics(Recorder):
         if stats.num_batched_tokens > 0:
             i["iteration_tokens_total"].record(stats.num_batched_tokens, attrs)
 
-    def dropped(self, reason: str) -> None:
-        self.i["dropped_events"].add(1, {**self.attributes, "reason": reason})
+    def dropped(self, reason: str, n: int = 1) -> None:
+        self.i["dropped_events"].add(n, {**self.attributes, "reason": reason})

@@ -38,7 +38,7 @@ from backends import (
 )
 from engine_stub import Engine, EngineConfig
 from otel_llm import TelemetryConfig, setup_telemetry
-from otel_llm import providers
+from otel_llm import tracker
 
 pytestmark = pytest.mark.backend
 
@@ -223,8 +223,8 @@ def test_collector_outage_does_not_slow_or_block_the_engine_and_losses_are_count
 
         # What was dropped is counted, on the metric too.
         drops = dict(handle.accounting.dropped)
-        assert drops.get(providers.SPANS_QUEUE_FULL, 0) > 0, drops  # 30 s of spans overflow a 1024 queue
-        assert drops.get(providers.SPANS_EXPORT_FAILED, 0) > 0, drops  # batches given up after retries
+        assert drops.get(tracker.SPANS_QUEUE_FULL, 0) > 0, drops  # 30 s of spans overflow a 1024 queue
+        assert drops.get(tracker.SPANS_EXPORT_FAILED, 0) > 0, drops  # batches given up after retries
         on_metric = _dropped(reader)
         for reason, n in drops.items():
             assert on_metric.get(reason) == n, (reason, n, on_metric)

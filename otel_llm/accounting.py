@@ -1,0 +1,144 @@
+"""What the export path loses, counted: spans dropped by the batch processor or in failed
+exports, metric points of failed exports. Onto ``otel_llm.dropped_events`` by reason.
+
+The SDK reports these only as log lines (its ``otel.sdk.*`` self-metrics are off by default
+and go to the global MeterProvider, which a plugin does not own), so the exporters and the
+batch processor's drop hook are wrapped here. Relies on SDK 1.45 internals (pinned).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+
+from .tracker import METRIC_POINTS_EXPORT_FAILED, SPANS_AFTER_SHUTDOWN, SPANS_EXPORT_FAILED, SPANS_QUEUE_FULL
+
+if TYPE_CHECKING:
+    from .telemetry import EngineTelemetry
+
+_log = logging.getLogger(__name__)
+
+
+class ExportAccounting:
+    """Counts what the export path lost, by reason, and what it delivered.
+
+    Counted from any thread under a lock of its own; put onto ``otel_llm.dropped_events`` by
+    :meth:`flush`, which the exporter threads call before each export (never the engine's
+    thread: it may hold the telemetry's lock). ``dropped``/``exported`` are running totals.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.dropped: dict[str, int] = {}
+        self.exported: dict[str, int] = {}
+        self._pending: dict[str, int] = {}
+        self.telemetry: Optional[EngineTelemetry] = None
+
+    def drop(self, reason: str, n: int) -> None:
+        if n > 0:
+            with self._lock:
+                self.dropped[reason] = self.dropped.get(reason, 0) + n
+                self._pending[reason] = self._pending.get(reason, 0) + n
+
+    def delivered(self, kind: str, n: int) -> None:
+        with self._lock:
+            self.exported[kind] = self.exported.get(kind, 0) + n
+
+    def flush(self) -> None:
+        telemetry = self.telemetry
+        if telemetry is None:
+            return
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        if pending:
+            with telemetry._lock:
+                for reason, n in pending.items():
+                    telemetry.metrics.dropped(reason, n)
+
+
+class _ProcessorDrops:
+    """Stands in for the SDK 1.45 BatchProcessor's metrics hook: ``drop_items`` is called
+    exactly when a span is dropped (queue full, or after shutdown)."""
+
+    def __init__(self, inner: Any, accounting: ExportAccounting) -> None:
+        self._inner = inner
+        self._accounting = accounting
+
+    def register_queue_size(self, get_queue_size: Any) -> None:
+        self._inner.register_queue_size(get_queue_size)
+
+    def drop_items(self, count: int, error_type: str = "queue_full") -> None:
+        self._accounting.drop(SPANS_AFTER_SHUTDOWN if error_type == "already_shutdown" else SPANS_QUEUE_FULL, count)
+        self._inner.drop_items(count, error_type)
+
+    def finish_items(self, count: int) -> None:
+        self._inner.finish_items(count)
+
+
+def counting_processor(exporter: SpanExporter, accounting: ExportAccounting) -> BatchSpanProcessor:
+    processor = BatchSpanProcessor(_CountingSpanExporter(exporter, accounting))
+    batch = getattr(processor, "_batch_processor", None)  # SDK 1.45 internals (pinned)
+    if batch is not None and hasattr(batch, "_metrics"):
+        batch._metrics = _ProcessorDrops(batch._metrics, accounting)
+    return processor
+
+
+class _CountingSpanExporter(SpanExporter):
+    def __init__(self, exporter: SpanExporter, accounting: ExportAccounting) -> None:
+        self._exporter = exporter
+        self._accounting = accounting
+
+    def export(self, spans: Sequence[Any]) -> SpanExportResult:
+        self._accounting.flush()
+        try:
+            result = self._exporter.export(spans)
+        except Exception:  # noqa: BLE001 - counted, then as the SDK would: logged, batch lost
+            _log.warning("otel_llm: span export raised", exc_info=True)
+            result = SpanExportResult.FAILURE
+        if result is SpanExportResult.SUCCESS:
+            self._accounting.delivered("spans", len(spans))
+        else:
+            self._accounting.drop(SPANS_EXPORT_FAILED, len(spans))
+        return result
+
+    def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
+        try:
+            self._exporter.shutdown(timeout_millis=timeout_millis, **kwargs)  # type: ignore[call-arg]
+        except TypeError:
+            self._exporter.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30_000) -> bool:
+        return self._exporter.force_flush(timeout_millis)
+
+
+class CountingMetricExporter(MetricExporter):
+    def __init__(self, exporter: MetricExporter, accounting: ExportAccounting) -> None:
+        super().__init__(preferred_temporality=exporter._preferred_temporality,
+                         preferred_aggregation=exporter._preferred_aggregation)
+        self._exporter = exporter
+        self._accounting = accounting
+
+    def export(self, metrics_data: Any, timeout_millis: float = 10_000, **kwargs: Any) -> MetricExportResult:
+        self._accounting.flush()
+        try:
+            result = self._exporter.export(metrics_data, timeout_millis=timeout_millis, **kwargs)
+        except Exception:  # noqa: BLE001
+            _log.warning("otel_llm: metric export raised", exc_info=True)
+            result = MetricExportResult.FAILURE
+        points = sum(len(m.data.data_points) for rm in metrics_data.resource_metrics for sm in rm.scope_metrics
+                     for m in sm.metrics)
+        if result is MetricExportResult.SUCCESS:
+            self._accounting.delivered("metric_points", points)
+        else:
+            self._accounting.drop(METRIC_POINTS_EXPORT_FAILED, points)
+        return result
+
+    def force_flush(self, timeout_millis: float = 10_000) -> bool:
+        return self._exporter.force_flush(timeout_millis=timeout_millis)
+
+    def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
+        self._exporter.shutdown(timeout_millis=timeout_millis, **kwargs)

@@ -1,0 +1,90 @@
+"""OTLP exporters (gRPC or HTTP/protobuf) from the config and the standard environment.
+
+Headers, compression, timeout, TLS certificates and the temporality preference are read from
+the standard ``OTEL_EXPORTER_OTLP_*`` variables by the exporters themselves.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping, Optional
+
+from .config import TelemetryConfig
+
+DEFAULT_OTLP_PROTOCOL = "grpc"
+
+
+def protocol(config: TelemetryConfig, env: Mapping[str, str], signal: str) -> str:
+    var = f"OTEL_EXPORTER_OTLP_{signal.upper()}_PROTOCOL"
+    protocol = (env.get(var) or config.otlp_protocol or DEFAULT_OTLP_PROTOCOL).strip().lower()
+    if protocol not in ("grpc", "http/protobuf"):
+        raise ValueError(f"{var}={protocol!r}: must be 'grpc' or 'http/protobuf'")
+    return protocol
+
+
+def endpoint(config: TelemetryConfig, env: Mapping[str, str], signal: str, protocol: str) -> Optional[str]:
+    """Per-signal endpoint as given; the base endpoint gets /v1/<signal> for HTTP (OTLP spec)."""
+    var = f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT"
+    specific = env.get(var)
+    if specific:
+        if not specific.startswith(("http://", "https://")) or not specific.split("://", 1)[1]:
+            raise ValueError(f"{var}={specific!r}: must be an http:// or https:// URL, e.g. http://127.0.0.1:4317")
+        endpoint, source = specific, var
+    elif not config.otlp_endpoint:
+        return None
+    elif protocol == "http/protobuf":
+        endpoint, source = config.otlp_endpoint.rstrip("/") + f"/v1/{signal}", "OTEL_EXPORTER_OTLP_ENDPOINT"
+    else:
+        endpoint, source = config.otlp_endpoint, "OTEL_EXPORTER_OTLP_ENDPOINT"
+    scheme, _, rest = endpoint.partition("://")
+    if protocol == "grpc" and "@" in rest.split("/", 1)[0]:
+        # gRPC does not send URL credentials, and its exporter logs the endpoint on every failure.
+        raise ValueError(f"{source}={scheme}://***@{rest.split('@', 1)[1]!s}: credentials in a gRPC endpoint URL "
+                         "are not supported (they would be logged); pass them in OTEL_EXPORTER_OTLP_HEADERS")
+    return endpoint
+
+
+def _http_session() -> Any:
+    """A requests Session that keeps the exporter's CA file (OTEL_EXPORTER_OTLP_[SIGNAL_]CERTIFICATE).
+
+    requests lets REQUESTS_CA_BUNDLE / CURL_CA_BUNDLE, when set in the environment (common in
+    containers), override a Session's ``verify``: the certificate variable was then silently
+    ignored and every export to a private-CA collector failed verification. None (the SDK's own
+    session) when a credential provider plugin supplies the session.
+    """
+    if any(k.startswith("OTEL_PYTHON_EXPORTER_OTLP_HTTP") and k.endswith("CREDENTIAL_PROVIDER") for k in os.environ):
+        return None
+    import requests
+
+    class _Session(requests.Session):
+        def merge_environment_settings(self, url, proxies, stream, verify, cert):  # type: ignore[no-untyped-def]
+            settings = super().merge_environment_settings(url, proxies, stream, verify, cert)
+            if verify is None and isinstance(self.verify, str):
+                settings["verify"] = self.verify
+            return settings
+
+    return _Session()
+
+
+def metric_exporter(config: TelemetryConfig, env: Mapping[str, str]) -> Any:
+    proto = protocol(config, env, "metrics")
+    url = endpoint(config, env, "metrics", proto)
+    if proto == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+    else:
+        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter  # type: ignore
+
+        return OTLPMetricExporter(endpoint=url, session=_http_session())
+    return OTLPMetricExporter(endpoint=url)  # headers, TLS, compression, timeout, temporality: env
+
+
+def span_exporter(config: TelemetryConfig, env: Mapping[str, str]) -> Any:
+    proto = protocol(config, env, "traces")
+    url = endpoint(config, env, "traces", proto)
+    if proto == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    else:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter  # type: ignore
+
+        return OTLPSpanExporter(endpoint=url, session=_http_session())
+    return OTLPSpanExporter(endpoint=url)
