@@ -107,7 +107,7 @@ def table(r: dict[str, Any]) -> str:
     lines = []
     pe = r.get("per_event", {})
     if "ns_per_event" in pe:
-        ns, ra = pe["ns_per_event"], pe["ratios"]
+        ns = pe["ns_per_event"]
         lines += ["", f"1. per-event cost ({pe['events_timed']} events, {pe['repetitions']} interleaved reps, "
                       f"sanity {'ok' if pe['sanity']['ok'] else 'MISMATCH'})",
                   f"   {'subscriber':<22}{'ns/event':>10}{'/ (b) prom':>12}{'/ (a) floor':>13}"]

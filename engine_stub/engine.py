@@ -16,7 +16,7 @@ from otel_llm.hooks import HookBus
 from .kv_cache import KVCache
 from .model import STOP_TOKEN_ID, AttentionGroup, BatchInput, ModelConfig, TinyTransformer
 from .plugins import load_plugins
-from .request import Request, RequestOutput, RequestStatus, encode
+from .request import Request, RequestOutput, encode
 from .scheduler import Scheduler, SchedulerOutput
 
 PREEMPTION_REASON = "kv_cache_full"

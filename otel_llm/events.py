@@ -21,6 +21,10 @@ class EventType(enum.Enum):
     carries decode progress (new output tokens this step, the first step's included).
     """
 
+    # Members are singletons compared by identity: the identity hash is consistent with that,
+    # and a dict lookup keyed by a member costs ~17 ns instead of ~60 (Enum.__hash__ is Python).
+    __hash__ = object.__hash__
+
     ARRIVED = "arrived"
     QUEUED = "queued"
     SCHEDULED = "scheduled"

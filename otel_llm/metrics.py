@@ -224,9 +224,9 @@ class Recorder:
 
     def preempted(self, reason: str, num_computed_tokens: int) -> None: ...
     def prompt_tokens(self, n: int) -> None: ...
-    def generation_tokens(self, n: int) -> None: ...
     def ttft(self, seconds: float, exemplar: Optional[ExemplarIds], ctx: Any) -> None: ...
-    def itl(self, seconds: float, exemplar: Optional[ExemplarIds], ctx: Any) -> None: ...
+    def tokens(self, n: int, itl: Optional[float], exemplar: Optional[ExemplarIds], ctx: Any) -> None:
+        """``n`` output tokens of one step, ``itl`` seconds after the request's previous step."""
     def finished(self, values: dict[str, float], finish_reason: str, num_preemptions: int,
                  exemplar: Optional[ExemplarIds], ctx: Any) -> None: ...
     def step(self, stats: StepStats) -> None: ...
@@ -382,14 +382,13 @@ class FastMetrics(Recorder):
     def prompt_tokens(self, n: int) -> None:
         self.n_prompt += n
 
-    def generation_tokens(self, n: int) -> None:
-        self.n_generation += n
-
     def ttft(self, seconds: float, exemplar: Optional[ExemplarIds], ctx: Any) -> None:
         self.h_ttft.observe(seconds, exemplar)
 
-    def itl(self, seconds: float, exemplar: Optional[ExemplarIds], ctx: Any) -> None:
-        self.h_itl.observe(seconds, exemplar)
+    def tokens(self, n: int, itl: Optional[float], exemplar: Optional[ExemplarIds], ctx: Any) -> None:
+        self.n_generation += n
+        if itl is not None:
+            self.h_itl.observe(itl, exemplar)
 
     def finished(self, values: dict[str, float], finish_reason: str, num_preemptions: int,
                  exemplar: Optional[ExemplarIds], ctx: Any) -> None:
@@ -458,14 +457,13 @@ class SdkMetrics(Recorder):
     def prompt_tokens(self, n: int) -> None:
         self.i["prompt_tokens"].add(n, self.attributes)
 
-    def generation_tokens(self, n: int) -> None:
-        self.i["generation_tokens"].add(n, self.attributes)
-
     def ttft(self, seconds: float, exemplar: Optional[ExemplarIds], ctx: Any) -> None:
         self.i["time_to_first_token_seconds"].record(seconds, self.attributes, context=ctx)
 
-    def itl(self, seconds: float, exemplar: Optional[ExemplarIds], ctx: Any) -> None:
-        self.i["inter_token_latency_seconds"].record(seconds, self.attributes, context=ctx)
+    def tokens(self, n: int, itl: Optional[float], exemplar: Optional[ExemplarIds], ctx: Any) -> None:
+        self.i["generation_tokens"].add(n, self.attributes)
+        if itl is not None:
+            self.i["inter_token_latency_seconds"].record(itl, self.attributes, context=ctx)
 
     def finished(self, values: dict[str, float], finish_reason: str, num_preemptions: int,
                  exemplar: Optional[ExemplarIds], ctx: Any) -> None:

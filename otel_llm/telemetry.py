@@ -158,9 +158,9 @@ class EngineTelemetry:
                 for value in ttfts:
                     m.ttft(value, exemplar, _EMPTY_CONTEXT)
                 for value in itls:
-                    m.itl(value, exemplar, _EMPTY_CONTEXT)
+                    m.tokens(0, value, exemplar, _EMPTY_CONTEXT)
                 m.prompt_tokens(prompt_tokens)
-                m.generation_tokens(generation_tokens)
+                m.tokens(generation_tokens, None, exemplar, _EMPTY_CONTEXT)
                 for _ in range(num_preemptions):
                     m.preempted(preemption_reason, 0)
         except Exception:  # noqa: BLE001
@@ -206,9 +206,7 @@ class EngineTelemetry:
             self.spans.event(req.span, "first_token", ts, {})  # type: ignore[union-attr]
 
     def tokens(self, req: RequestState, n: int, itl: Optional[float]) -> None:
-        self.metrics.generation_tokens(n)
-        if itl is not None:
-            self.metrics.itl(itl, req.exemplar, req.ctx)
+        self.metrics.tokens(n, itl, req.exemplar, req.ctx)
 
     def request_finished(self, req: RequestState, summary: RequestSummary, event: RequestEvent) -> None:
         extra = None

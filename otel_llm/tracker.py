@@ -13,6 +13,7 @@ evicted beyond) and the ids of as many finished requests are remembered to class
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol
 
@@ -43,6 +44,10 @@ MAX_ID_LENGTH = 256  # longer request ids are rejected: ids go into span attribu
 # Timestamps are monotonic seconds (>= 0); beyond this (~317 years) a span time no longer fits
 # OTLP's uint64 nanoseconds and one such span fails the export of its whole batch.
 MAX_TIMESTAMP = 1e10
+
+
+_ARRIVED = EventType.ARRIVED  # module-level aliases: reading a member through its Enum class
+_TOKENS = EventType.TOKENS  # costs ~60 ns, once per event
 
 
 class RequestState:
@@ -178,8 +183,10 @@ class Tracker:
     def __init__(self, sink: TrackerSink, max_inflight: int) -> None:
         self.sink = sink
         self.max_inflight = max_inflight
-        self.inflight: dict[str, RequestState] = {}  # insertion order = arrival order
-        self.finished: dict[str, None] = {}  # recently finished ids, oldest first
+        # OrderedDicts: dropping the oldest entry is O(1) (on a dict, next(iter(d)) skips every
+        # slot deleted from the front since the last resize: ~80 us per request at 10^5 ids).
+        self.inflight: OrderedDict[str, RequestState] = OrderedDict()  # arrival order
+        self.finished: OrderedDict[str, None] = OrderedDict()  # recently finished ids, oldest first
         self._handlers = {
             EventType.ARRIVED: self._arrived,  # type: ignore[dict-item]
             EventType.QUEUED: self._queued,
@@ -192,11 +199,18 @@ class Tracker:
 
     def handle(self, event: RequestEvent) -> None:
         kind = getattr(event, "type", None)
+        if kind is _TOKENS:
+            # The hot path: one TOKENS event per running request per step. Routed straight to
+            # its transition when the request is known and the time valid; else the generic path.
+            req = self.inflight.get(event.request_id)
+            if req is not None and req.last_ts <= event.timestamp <= MAX_TIMESTAMP:
+                self._tokens(event, req)
+                return
         handler = self._handlers.get(kind)
         if handler is None:
             self.sink.dropped(UNKNOWN_EVENT_TYPE, event)
             return
-        if kind is EventType.ARRIVED:
+        if kind is _ARRIVED:
             self._arrived(event)
             return
         req = self.inflight.get(event.request_id)
@@ -237,7 +251,7 @@ class Tracker:
             return
         self.finished.pop(rid, None)  # an id may be reused once its request has finished
         if len(self.inflight) >= self.max_inflight:
-            oldest = self.inflight.pop(next(iter(self.inflight)))
+            _, oldest = self.inflight.popitem(last=False)
             self._remember_finished(oldest.request_id)
             self.sink.request_evicted(oldest)
         req = RequestState(rid, ts, event.prompt_tokens, event.max_tokens, event.num_cached_tokens)
@@ -312,7 +326,7 @@ class Tracker:
     def _remember_finished(self, rid: str) -> None:
         self.finished[rid] = None
         if len(self.finished) > self.max_inflight:
-            del self.finished[next(iter(self.finished))]
+            self.finished.popitem(last=False)
 
     def drain(self) -> list[RequestState]:
         """Forget every in-flight request (at shutdown) and return them."""

@@ -21,7 +21,6 @@ import tempfile
 import time
 import tracemalloc
 from pathlib import Path
-from typing import Any
 
 import pytest
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
