@@ -140,7 +140,8 @@ def table(r: dict[str, Any]) -> str:
                   "   bytes per in-flight request: " + ", ".join(f"{k} {_f(v)}" for k, v in b.items()),
                   f"   RSS over {f['requests']:,} finished requests: first {f['rss_first_bytes'] / 2**20:.1f} MiB, "
                   f"last {f['rss_last_bytes'] / 2**20:.1f} MiB, slope {_f(f['slope_bytes_per_request'], '{:.3f}')} "
-                  f"B/request, objects {f['allocated_blocks_growth']:+d} blocks",
+                  f"B/request, second half {f['rss_growth_second_half_bytes'] / 2**20:+.1f} MiB, "
+                  f"objects {f['allocated_blocks_growth']:+d} blocks",
                   "   us per request, finished-id memory full: " + ", ".join(
                       f"{k} {v:.1f}" for k, v in mem["steady_state_cost"]["us_per_request"].items()),
                   "   targets: " + ", ".join(f"{k}: {'met' if ok else 'MISSED'}" for k, ok in mem["targets"].items())]

@@ -112,7 +112,7 @@ class PrometheusClientSubscriber:
             self.g_running.set(stats.num_running)
             self.g_waiting.set(stats.num_waiting)
             self.g_kv.set(stats.kv_cache_usage)
-            if stats.num_batched_tokens > 0:
+            if stats.num_batched_tokens is not None:
                 self.h_iteration.observe(stats.num_batched_tokens)
 
     def shutdown(self) -> None:

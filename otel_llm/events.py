@@ -61,4 +61,6 @@ class StepStats:
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0  # fraction of KV blocks in use, 0..1
-    num_batched_tokens: int = 0  # tokens computed in this step (prefill + decode)
+    # Tokens computed in this step (prefill + decode); None when the stats are a scheduler
+    # snapshot rather than an engine iteration (vLLM hands those over separately).
+    num_batched_tokens: Optional[int] = None

@@ -404,7 +404,7 @@ class FastMetrics(Recorder):
         gauges["num_requests_running"] = stats.num_running
         gauges["num_requests_waiting"] = stats.num_waiting
         gauges["kv_cache_usage_perc"] = stats.kv_cache_usage
-        if stats.num_batched_tokens > 0:
+        if stats.num_batched_tokens is not None:
             self.h_iteration.observe(stats.num_batched_tokens)
 
     def dropped(self, reason: str, n: int = 1) -> None:
@@ -478,7 +478,7 @@ class SdkMetrics(Recorder):
         i["num_requests_running"].set(stats.num_running, attrs)
         i["num_requests_waiting"].set(stats.num_waiting, attrs)
         i["kv_cache_usage_perc"].set(stats.kv_cache_usage, attrs)
-        if stats.num_batched_tokens > 0:
+        if stats.num_batched_tokens is not None:
             i["iteration_tokens_total"].record(stats.num_batched_tokens, attrs)
 
     def dropped(self, reason: str, n: int = 1) -> None:

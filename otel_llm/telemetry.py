@@ -253,6 +253,7 @@ class EngineTelemetry:
 def _valid_step(stats: StepStats) -> bool:
     try:
         return (t.is_count(stats.num_running) and t.is_count(stats.num_waiting)
-                and t.is_count(stats.num_batched_tokens) and 0.0 <= stats.kv_cache_usage <= 1.0)
+                and (stats.num_batched_tokens is None or t.is_count(stats.num_batched_tokens))
+                and 0.0 <= stats.kv_cache_usage <= 1.0)
     except (TypeError, AttributeError):
         return False

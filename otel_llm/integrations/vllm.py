@@ -270,28 +270,28 @@ class _Impl:
             u = r.number(sched, "kv_cache_usage", "vllm:kv_cache_usage_perc")
             usage = float(u) if u is not None else usage
             self._last_sched[idx] = (running, waiting, usage)
-        batched = 0
-        if it is not None:
-            batched = self._iteration_tokens(it)
+        # Only an iteration observes iteration_tokens_total (0 included), as vLLM does.
+        batched = self._iteration_tokens(it) if it is not None else None
         now = time.monotonic()
         ts = r.number(it, "iteration_timestamp", "span times") if it is not None else None
         if ts is not None:
             now = ts - offset
-        if sched is None and idx not in self._last_sched and batched <= 0:
+        if sched is None and idx not in self._last_sched and batched is None:
             return
         tel.on_step(StepStats(timestamp=now, num_running=running, num_waiting=waiting,
                               kv_cache_usage=usage, num_batched_tokens=batched))
 
-    def _iteration_tokens(self, it: Any) -> int:
+    def _iteration_tokens(self, it: Any) -> Optional[int]:
         # vLLM: prompt_token_stats.computed + num_generation_tokens (cached prompt tokens excluded).
+        # None (not observed) when a field is missing: the metric degrades, with one warning.
         r = self.reader
         gen = r.number(it, "num_generation_tokens", "vllm:iteration_tokens_total")
         pts = r.raw(it, "prompt_token_stats", "vllm:iteration_tokens_total")
         if gen is None or pts is _MISSING:
-            return 0
+            return None
         computed = r.number(pts, "computed", "vllm:iteration_tokens_total") if pts is not None else 0
         if computed is None:
-            return 0
+            return None
         return int(computed + gen)
 
     def _record_iteration(self, tel: Any, it: Any, offset: float) -> None:
