@@ -6,6 +6,7 @@ the standard ``OTEL_EXPORTER_OTLP_*`` variables by the exporters themselves.
 
 from __future__ import annotations
 
+import importlib
 import os
 from typing import Any, Mapping, Optional
 
@@ -66,25 +67,22 @@ def _http_session() -> Any:
     return _Session()
 
 
-def metric_exporter(config: TelemetryConfig, env: Mapping[str, str]) -> Any:
-    proto = protocol(config, env, "metrics")
-    url = endpoint(config, env, "metrics", proto)
+# (signal, protocol) -> the exporter class, by module and name (imported only when used).
+_EXPORTERS = {
+    ("metrics", "grpc"): ("opentelemetry.exporter.otlp.proto.grpc.metric_exporter", "OTLPMetricExporter"),
+    ("metrics", "http/protobuf"): ("opentelemetry.exporter.otlp.proto.http.metric_exporter", "OTLPMetricExporter"),
+    ("traces", "grpc"): ("opentelemetry.exporter.otlp.proto.grpc.trace_exporter", "OTLPSpanExporter"),
+    ("traces", "http/protobuf"): ("opentelemetry.exporter.otlp.proto.http.trace_exporter", "OTLPSpanExporter"),
+}
+
+
+def exporter(config: TelemetryConfig, env: Mapping[str, str], signal: str) -> Any:
+    """The OTLP exporter of ``signal`` ("metrics" or "traces"); the rest of its settings
+    (headers, TLS, compression, timeout, temporality) it reads from the environment itself."""
+    proto = protocol(config, env, signal)
+    url = endpoint(config, env, signal, proto)
+    module, name = _EXPORTERS[(signal, proto)]
+    cls = getattr(importlib.import_module(module), name)
     if proto == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
-    else:
-        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter  # type: ignore
-
-        return OTLPMetricExporter(endpoint=url, session=_http_session())
-    return OTLPMetricExporter(endpoint=url)  # headers, TLS, compression, timeout, temporality: env
-
-
-def span_exporter(config: TelemetryConfig, env: Mapping[str, str]) -> Any:
-    proto = protocol(config, env, "traces")
-    url = endpoint(config, env, "traces", proto)
-    if proto == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-    else:
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter  # type: ignore
-
-        return OTLPSpanExporter(endpoint=url, session=_http_session())
-    return OTLPSpanExporter(endpoint=url)
+        return cls(endpoint=url)
+    return cls(endpoint=url, session=_http_session())

@@ -135,7 +135,7 @@ def setup_telemetry(config: Optional[TelemetryConfig] = None, *,
     interval = config.metric_export_interval_ms or 60_000
     accounting = ExportAccounting()
     if "otlp" in metrics_exporters:
-        exporter = CountingMetricExporter(otlp.metric_exporter(config, env), accounting)
+        exporter = CountingMetricExporter(otlp.exporter(config, env, "metrics"), accounting)
         readers.append(PeriodicExportingMetricReader(exporter,
                                                      export_interval_millis=interval))
     if "console" in metrics_exporters:
@@ -147,7 +147,7 @@ def setup_telemetry(config: Optional[TelemetryConfig] = None, *,
                                    exemplar_filter=_EXEMPLAR_FILTERS[filter_name]())
     tracer_provider = TracerProvider(resource=resource)
     if "otlp" in traces_exporters:
-        tracer_provider.add_span_processor(counting_processor(otlp.span_exporter(config, env), accounting))
+        tracer_provider.add_span_processor(counting_processor(otlp.exporter(config, env, "traces"), accounting))
     if "console" in traces_exporters:
         tracer_provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
     for processor in extra_span_processors:
