@@ -21,8 +21,9 @@ $(READY): pyproject.toml
 	  || echo "warning: could not install prometheus (needs root); its tests will skip"
 	touch $@
 
+# /metrics stays up 20 s after the summary (Ctrl-C ends it); ARGS="--serve-seconds 0" skips that.
 demo: $(READY)
-	$(VENV)/bin/otel-llm demo $(ARGS)
+	$(VENV)/bin/otel-llm demo --serve-seconds 20 $(ARGS)
 
 # tests/vllm runs in a venv of its own: `make test-vllm` (vllm.mk).
 test: $(READY)
