@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult
@@ -87,18 +88,50 @@ def counting_processor(exporter: SpanExporter, accounting: ExportAccounting) -> 
     return processor
 
 
+class Backoff:
+    """While the collector is unreachable, do not even try: after a failed export, the exports
+    of the next ``delay`` seconds fail at once (counted, nothing encoded), then one is let
+    through as a probe; the delay doubles from MIN_S up to MAX_S, and a success resets it.
+
+    Why: the SDK's OTLP exporters re-encode the whole batch on every retry and log each
+    failure; during an outage that work, on exporter threads, takes the GIL from the engine.
+    """
+
+    MIN_S = 1.0
+    MAX_S = 10.0
+
+    def __init__(self) -> None:
+        self._delay = 0.0
+        self._until = 0.0
+
+    def closed(self) -> bool:
+        return time.monotonic() < self._until
+
+    def result(self, ok: bool) -> None:
+        if ok:
+            self._delay = self._until = 0.0
+        else:
+            self._delay = min(self.MAX_S, max(self.MIN_S, 2 * self._delay))
+            self._until = time.monotonic() + self._delay
+
+
 class _CountingSpanExporter(SpanExporter):
     def __init__(self, exporter: SpanExporter, accounting: ExportAccounting) -> None:
         self._exporter = exporter
         self._accounting = accounting
+        self._backoff = Backoff()
 
     def export(self, spans: Sequence[Any]) -> SpanExportResult:
         self._accounting.flush()
-        try:
-            result = self._exporter.export(spans)
-        except Exception:  # noqa: BLE001 - counted, then as the SDK would: logged, batch lost
-            _log.warning("otel_llm: span export raised", exc_info=True)
+        if self._backoff.closed():
             result = SpanExportResult.FAILURE
+        else:
+            try:
+                result = self._exporter.export(spans)
+            except Exception:  # noqa: BLE001 - counted, then as the SDK would: logged, batch lost
+                _log.warning("otel_llm: span export raised", exc_info=True)
+                result = SpanExportResult.FAILURE
+            self._backoff.result(result is SpanExportResult.SUCCESS)
         if result is SpanExportResult.SUCCESS:
             self._accounting.delivered("spans", len(spans))
         else:
@@ -121,14 +154,19 @@ class CountingMetricExporter(MetricExporter):
                          preferred_aggregation=exporter._preferred_aggregation)
         self._exporter = exporter
         self._accounting = accounting
+        self._backoff = Backoff()
 
     def export(self, metrics_data: Any, timeout_millis: float = 10_000, **kwargs: Any) -> MetricExportResult:
         self._accounting.flush()
-        try:
-            result = self._exporter.export(metrics_data, timeout_millis=timeout_millis, **kwargs)
-        except Exception:  # noqa: BLE001
-            _log.warning("otel_llm: metric export raised", exc_info=True)
+        if self._backoff.closed():
             result = MetricExportResult.FAILURE
+        else:
+            try:
+                result = self._exporter.export(metrics_data, timeout_millis=timeout_millis, **kwargs)
+            except Exception:  # noqa: BLE001
+                _log.warning("otel_llm: metric export raised", exc_info=True)
+                result = MetricExportResult.FAILURE
+            self._backoff.result(result is MetricExportResult.SUCCESS)
         points = sum(len(m.data.data_points) for rm in metrics_data.resource_metrics for sm in rm.scope_metrics
                      for m in sm.metrics)
         if result is MetricExportResult.SUCCESS:
