@@ -47,7 +47,19 @@ def test_every_dashboard_and_rule_expression_returns_data(monkeypatch):
             engine = Engine(_engine_config())
             engine.hooks.subscribe(handle.telemetry)
             _add_requests(engine)
-            outputs = engine.run()
+            # rate() needs two samples of a series in its window: each series is scraped once soon
+            # after it is born, before the run ends (a run shorter than the scrape interval would
+            # otherwise leave one sample). Series born at a finish: every request's, and the
+            # preempted time (born at the first finish of a preempted request).
+            births = {"vllm:request_num_preemptions_count": lambda o: True,
+                      "vllm:request_preempted_time_seconds_count": lambda o: o.num_preemptions > 0}
+            outputs = []
+            while engine.has_unfinished_requests():
+                outputs += engine.step()
+                for series, born in list(births.items()):
+                    if any(born(o) for o in outputs):
+                        prometheus.wait_for(series, bool, timeout=20)
+                        del births[series]
             assert sum(o.num_preemptions >= 5 for o in outputs) / len(outputs) > 0.05  # the thrashing alert fires
             handle.telemetry.on_events([RequestEvent(EventType.TOKENS, "ghost", 1.0, num_tokens=1)])  # one drop
             prometheus.wait_for("vllm:request_num_preemptions_count",
