@@ -9,7 +9,6 @@ with ordinals, exemplars carrying the request spans' trace ids; and delta tempor
 
 from __future__ import annotations
 
-import os
 import re
 
 import pytest
@@ -26,11 +25,8 @@ CUMULATIVE = 2
 
 
 @pytest.fixture
-def otlp_env(monkeypatch):
-    for key in list(os.environ):
-        if key.startswith(("OTEL_", "ENGINE_STUB_")):
-            monkeypatch.delenv(key)
-    monkeypatch.setenv("ENGINE_STUB_PLUGINS", "")
+def otlp_env(clean_env):
+    monkeypatch = clean_env
     monkeypatch.setenv("OTEL_METRICS_EXPORTER", "otlp")
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "otlp")
     monkeypatch.setenv("OTEL_METRIC_EXPORT_INTERVAL", "600000")  # only our flushes export

@@ -69,14 +69,8 @@ def prometheus(ports):
 
 
 @pytest.fixture
-def clean_env(monkeypatch):
-    import os
-
-    for key in list(os.environ):
-        if key.startswith(("OTEL_", "ENGINE_STUB_")):
-            monkeypatch.delenv(key)
-    monkeypatch.setenv("ENGINE_STUB_PLUGINS", "")
-    monkeypatch.setenv("OTEL_METRICS_EXEMPLAR_FILTER", "trace_based")
+def scrape_env(clean_env):
+    clean_env.setenv("OTEL_METRICS_EXEMPLAR_FILTER", "trace_based")
 
 
 def _expected_buckets(counts: list[int]) -> dict[str, float]:
@@ -85,7 +79,7 @@ def _expected_buckets(counts: list[int]) -> dict[str, float]:
 
 
 @pytest.mark.parametrize("profile", ["vllm", "semconv"])
-def test_prometheus_scrapes_exact_preemption_histogram(profile, prometheus, ports, clean_env):
+def test_prometheus_scrapes_exact_preemption_histogram(profile, prometheus, ports, scrape_env):
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 

@@ -21,6 +21,7 @@ import tempfile
 import time
 import tracemalloc
 from pathlib import Path
+from typing import Any
 
 import pytest
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
@@ -146,14 +147,6 @@ class Load:
         while self.engine.has_unfinished_requests():
             self.finished += len(self.engine.step())
             assert time.monotonic() < deadline, "engine did not drain"
-
-
-@pytest.fixture
-def clean_env(monkeypatch):
-    for key in list(os.environ):
-        if key.startswith(("OTEL_", "ENGINE_STUB_")):
-            monkeypatch.delenv(key)
-    return monkeypatch
 
 
 def _dropped(reader: InMemoryMetricReader) -> dict[str, int]:

@@ -38,16 +38,6 @@ E = EventType
 SECRET = "s3cr3t-T0KEN-value"
 
 
-@pytest.fixture
-def clean_env(monkeypatch):
-    import os
-
-    for key in list(os.environ):
-        if key.startswith("OTEL_"):
-            monkeypatch.delenv(key)
-    return monkeypatch
-
-
 def one_request(telemetry: EngineTelemetry, rid: str = "r1", prompt: str = "", output: str = "") -> None:
     telemetry.on_events([
         RequestEvent(E.ARRIVED, rid, 1.0, prompt_tokens=3, max_tokens=4, prompt_text=prompt or None),
