@@ -107,6 +107,36 @@ def _tail(path: Path, n: int = 2000) -> str:
 # --------------------------------------------------------------------------------- Prometheus
 
 
+def _start_on_free_ports(launch: Callable[[], tuple[Any, Callable[[], bool], Callable[[], str]]],
+                         ready_timeout: float, what: str) -> Any:
+    """Start a server on ports picked by free_port() and wait until it is ready.
+
+    ``launch()`` starts it and returns (handle with ``.proc``, ready check, log tail). free_port()
+    can race with another process: a server that exits because its port was taken in between is
+    started again on other ports (3 attempts). A failed attempt's process is always killed.
+    """
+    for attempt in range(3):
+        handle, ready, log = launch()
+        proc = handle.proc
+
+        def check() -> bool:
+            if proc.poll() is not None:
+                raise BackendUnavailable(f"{what}: exited with {proc.returncode}: {log()}")
+            return ready()
+
+        try:
+            wait_until(check, ready_timeout, interval=0.05, what=what)
+            return handle
+        except BackendUnavailable as exc:
+            _kill(proc)
+            if "in use" in str(exc).lower() and attempt < 2:
+                continue
+            raise
+        except TimeoutError as exc:
+            _kill(proc)
+            raise BackendUnavailable(f"{exc}: {log()}") from None
+
+
 def prometheus_binary() -> str | None:
     return shutil.which("prometheus") or (str(Path("/usr/bin/prometheus")) if Path("/usr/bin/prometheus").exists() else None)
 
@@ -206,45 +236,38 @@ def start_prometheus(
     }
     (workdir / "prometheus.yml").write_text(json.dumps(config, indent=2))  # JSON is YAML
     (workdir / "data").mkdir()
-    proc = None
     log = open(workdir / "prometheus.log", "wb")
-    try:
-        for _attempt in range(3):  # free_port() can race with another process: retry on bind failure
-            port = free_port()
-            args = [
-                binary,
-                f"--config.file={workdir / 'prometheus.yml'}",
-                f"--storage.tsdb.path={workdir / 'data'}",
-                f"--web.listen-address={LOOPBACK}:{port}",
-                "--log.level=warn",
-            ]
-            if exemplars:
-                args.append("--enable-feature=exemplar-storage")
-            proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=workdir)
-            handle = Prometheus(proc, port, workdir)
 
-            def ready() -> bool:
-                if proc.poll() is not None:
-                    raise BackendUnavailable(f"prometheus exited with {proc.returncode}: {handle.log()}")
-                try:
-                    with urllib.request.urlopen(f"{handle.url}/-/ready", timeout=1) as resp:
-                        return resp.status == 200
-                except (urllib.error.URLError, OSError):
-                    return False
+    def launch() -> tuple[Prometheus, Callable[[], bool], Callable[[], str]]:
+        port = free_port()
+        args = [
+            binary,
+            f"--config.file={workdir / 'prometheus.yml'}",
+            f"--storage.tsdb.path={workdir / 'data'}",
+            f"--web.listen-address={LOOPBACK}:{port}",
+            "--log.level=warn",
+        ]
+        if exemplars:
+            args.append("--enable-feature=exemplar-storage")
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=workdir)
+        handle = Prometheus(proc, port, workdir)
 
+        def ready() -> bool:
             try:
-                wait_until(ready, ready_timeout, interval=0.05, what="prometheus /-/ready")
-                break
-            except BackendUnavailable as exc:
-                if "address already in use" in str(exc) and _attempt < 2:
-                    continue
-                raise
-            except TimeoutError as exc:
-                raise BackendUnavailable(f"{exc}: {handle.log()}") from None
+                with urllib.request.urlopen(f"{handle.url}/-/ready", timeout=1) as resp:
+                    return resp.status == 200
+            except (urllib.error.URLError, OSError):
+                return False
+
+        return handle, ready, handle.log
+
+    handle = None
+    try:
+        handle = _start_on_free_ports(launch, ready_timeout, "prometheus /-/ready")
         yield handle
     finally:
-        if proc is not None:
-            _kill(proc)
+        if handle is not None:
+            _kill(handle.proc)
         log.close()
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -330,52 +353,41 @@ def start_rotel(
         raise BackendUnavailable("rotel-agent not found (pip install rotel)")
     workdir = Path(tempfile.mkdtemp(prefix="otel-llm-rotel-"))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ROTEL_", "OTEL_"))}
-    proc = None
     out = open(workdir / "stdout.log", "wb")
+
+    def launch() -> tuple[Rotel, Callable[[], bool], Callable[[], str]]:
+        grpc_port, http_port = free_port(), free_port()
+        while http_port == grpc_port:
+            http_port = free_port()
+        args = [
+            binary,
+            "start",
+            f"--otlp-grpc-endpoint={LOOPBACK}:{grpc_port}",
+            f"--otlp-http-endpoint={LOOPBACK}:{http_port}",
+            f"--pid-file={workdir / 'rotel.pid'}",
+            f"--log-file={workdir / 'rotel.log'}",
+            "--batch-timeout=50ms",
+        ]
+        if forward_to:
+            args += ["--exporter=otlp", f"--otlp-exporter-endpoint={forward_to}", f"--otlp-exporter-protocol={forward_protocol}"]
+        else:
+            args += ["--exporter=blackhole"]
+        for signal in debug_log:
+            args.append(f"--debug-log={signal}")
+        if debug_log:
+            args.append(f"--debug-log-verbosity={verbosity}")
+        args += list(extra_args)
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=workdir, env=env)
+        handle = Rotel(proc, grpc_port, http_port, workdir)
+        return handle, lambda: port_open(grpc_port) and port_open(http_port), lambda: handle.output()[-2000:]
+
+    handle = None
     try:
-        for _attempt in range(3):
-            grpc_port, http_port = free_port(), free_port()
-            if grpc_port == http_port:
-                continue
-            args = [
-                binary,
-                "start",
-                f"--otlp-grpc-endpoint={LOOPBACK}:{grpc_port}",
-                f"--otlp-http-endpoint={LOOPBACK}:{http_port}",
-                f"--pid-file={workdir / 'rotel.pid'}",
-                f"--log-file={workdir / 'rotel.log'}",
-                "--batch-timeout=50ms",
-            ]
-            if forward_to:
-                args += ["--exporter=otlp", f"--otlp-exporter-endpoint={forward_to}", f"--otlp-exporter-protocol={forward_protocol}"]
-            else:
-                args += ["--exporter=blackhole"]
-            for signal in debug_log:
-                args.append(f"--debug-log={signal}")
-            if debug_log:
-                args.append(f"--debug-log-verbosity={verbosity}")
-            args += list(extra_args)
-            proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=workdir, env=env)
-            handle = Rotel(proc, grpc_port, http_port, workdir)
-
-            def ready() -> bool:
-                if proc.poll() is not None:
-                    raise BackendUnavailable(f"rotel-agent exited with {proc.returncode}: {handle.output()[-2000:]}")
-                return port_open(grpc_port) and port_open(http_port)
-
-            try:
-                wait_until(ready, ready_timeout, interval=0.05, what="rotel receivers")
-                break
-            except BackendUnavailable as exc:
-                if "in use" in str(exc).lower() and _attempt < 2:
-                    continue
-                raise
-            except TimeoutError as exc:
-                raise BackendUnavailable(f"{exc}: {handle.output()[-2000:]}") from None
+        handle = _start_on_free_ports(launch, ready_timeout, "rotel receivers")
         yield handle
     finally:
-        if proc is not None:
-            _kill(proc)
+        if handle is not None:
+            _kill(handle.proc)
         out.close()
         shutil.rmtree(workdir, ignore_errors=True)
 
