@@ -21,7 +21,6 @@ METRICS_EXPORTERS = ("otlp", "prometheus", "console", "none")
 TRACES_EXPORTERS = ("otlp", "console", "none")
 OTLP_PROTOCOLS = ("grpc", "http/protobuf")
 EXEMPLAR_FILTERS = ("trace_based", "always_on", "always_off")
-TEMPORALITY_PREFERENCES = ("cumulative", "delta", "lowmemory")
 
 
 @dataclass(frozen=True)
