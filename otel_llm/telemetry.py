@@ -97,7 +97,8 @@ class EngineTelemetry:
         self._lock: threading.Lock = self.metrics.lock  # type: ignore[attr-defined]
         exemplar_filter = (config.exemplar_filter or os.environ.get("OTEL_METRICS_EXEMPLAR_FILTER", "")
                            or "trace_based").lower()
-        self._always_on = exemplar_filter == "always_on"
+        # Exemplar of an observation with no request span: always_on keeps one without trace ids.
+        self._spanless_exemplar = (None, None) if exemplar_filter == "always_on" else None
         self.spans = RequestSpans(config, tracer_provider, exemplar_filter) if config.spans else None
         self.tracker = Tracker(self, config.max_inflight_requests)
         self._drops = DropLog()
@@ -154,7 +155,7 @@ class EngineTelemetry:
         try:
             with self._lock:
                 m = self.metrics
-                exemplar = (None, None) if self._always_on else None
+                exemplar = self._spanless_exemplar
                 for value in ttfts:
                     m.ttft(value, exemplar, _EMPTY_CONTEXT)
                 for value in itls:
@@ -229,7 +230,7 @@ class EngineTelemetry:
 
     def _start_span(self, req: RequestState, carrier: Any, attributes: dict[str, Any]) -> None:
         if self.spans is None:
-            req.exemplar, req.ctx = ((None, None) if self._always_on else None), _EMPTY_CONTEXT
+            req.exemplar, req.ctx = self._spanless_exemplar, _EMPTY_CONTEXT
             return
         if req.max_tokens > 0:
             attributes["gen_ai.request.max_tokens"] = req.max_tokens
