@@ -6,7 +6,7 @@ PYTHON ?= python3
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_PIP := $(VLLM_PY) -m pip
-VLLM_SHARED ?= ../shared
+VLLM_PINS := tests/vllm/requirements.txt
 VLLM_READY := $(VLLM_VENV)/.ready-vllm-0.33.0
 VLLM_ARGS ?=
 
@@ -17,11 +17,11 @@ setup-vllm: $(VLLM_READY)
 # Order matters: vllm without its deps (they would pull a CUDA torch and drifting pins), then a
 # pinned torch (CPU-capable), then the 51 pins found by trial, then otel-llm itself (editable, so
 # its entry points `vllm.stat_logger_plugins` / `vllm.general_plugins` are installed).
-$(VLLM_READY): $(VLLM_SHARED)/vllm-0.33-cpu-test-requirements.txt
+$(VLLM_READY): $(VLLM_PINS)
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PIP) install -q --no-deps vllm==0.33.0
 	$(VLLM_PIP) install -q torch==2.13.0
-	$(VLLM_PIP) install -q --no-deps -r $(VLLM_SHARED)/vllm-0.33-cpu-test-requirements.txt
+	$(VLLM_PIP) install -q --no-deps -r $(VLLM_PINS)
 	$(VLLM_PIP) install -q "opentelemetry-api>=1.45,<1.46" "opentelemetry-sdk>=1.45,<1.46" \
 	  "opentelemetry-exporter-prometheus>=0.66b0,<0.67" "opentelemetry-exporter-otlp>=1.45,<1.46" \
 	  "pytest>=8"
