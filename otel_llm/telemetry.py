@@ -21,7 +21,7 @@ from . import tracker as t
 from .config import TelemetryConfig
 from .events import RequestEvent, StepStats
 from .metrics import FastMetrics, Recorder, SdkMetrics, provider_has_views
-from .spans import RequestSpans
+from .spans import request_spans
 from .tracker import RequestState, RequestSummary, Tracker
 
 _log = logging.getLogger(__name__)
@@ -78,14 +78,16 @@ class EngineTelemetry:
     """Subscribe to an engine's hook bus: ``engine.hooks.subscribe(EngineTelemetry(config))``.
 
     ``fast_path``: None (default) uses the in-process aggregation when the MeterProvider was
-    built with :func:`otel_llm.views`, else the straightforward SDK path with one warning;
-    True/False forces it (tests and benchmarks compare both).
+    built with :func:`otel_llm.views`, else the straightforward SDK path with one warning, and
+    assembled spans (spans.AssembledSpans) when the TracerProvider is the SDK's; True/False
+    forces the metric path, False also the Tracer API spans (tests and benchmarks compare both).
     """
 
     def __init__(self, config: Optional[TelemetryConfig] = None, *, meter_provider: Any = None,
                  tracer_provider: Any = None, fast_path: Optional[bool] = None) -> None:
         self.config = config = config or TelemetryConfig()
         meter_provider = meter_provider or metrics_api.get_meter_provider()
+        assembled_spans = fast_path is not False
         if fast_path is None:
             fast_path = provider_has_views(meter_provider, config)
             if not fast_path and id(meter_provider) not in _warned_providers:
@@ -99,7 +101,8 @@ class EngineTelemetry:
                            or "trace_based").lower()
         # Exemplar of an observation with no request span: always_on keeps one without trace ids.
         self._spanless_exemplar = (None, None) if exemplar_filter == "always_on" else None
-        self.spans = RequestSpans(config, tracer_provider, exemplar_filter) if config.spans else None
+        self.spans = (request_spans(config, tracer_provider, exemplar_filter, assembled_spans)
+                      if config.spans else None)
         self.tracker = Tracker(self, config.max_inflight_requests)
         self._drops = DropLog()
         self._closed = False
