@@ -15,6 +15,7 @@ Two recorders implement the same small interface (what the telemetry observes):
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import threading
@@ -144,6 +145,7 @@ BY_KEY = {m.key: m for m in METRICS}
 # Recorded through the SDK's synchronous histogram even on the fast path: once per request,
 # and the mission wants this one to be a plain SDK instrument with an explicit-bucket View.
 SYNC_HISTOGRAMS = frozenset({"request_num_preemptions"})
+RECORD_BATCH = 32  # records of SYNC_HISTOGRAMS flushed together on the engine thread (see _Hub)
 
 _LABEL_KEYS = {
     "vllm": {"model": "model_name", "engine": "engine", "finished_reason": "finished_reason", "reason": "reason"},
@@ -253,6 +255,11 @@ class _Hub:
         self.recorders: "weakref.WeakSet[FastMetrics]" = weakref.WeakSet()
         self.cells: dict[tuple[str, tuple], HistogramCell] = {}
         self.sync: dict[str, Any] = {}
+        # Records of the synchronous histogram(s), batched: one record costs ~8 us in a warm loop
+        # and ~50 us alone between two engine steps (cold caches). Flushed on the engine thread
+        # every RECORD_BATCH requests, and by every collection: the SDK runs the callbacks below
+        # before it reads its synchronous instruments, so a reader never misses a record.
+        self.pending: collections.deque[tuple[Any, int, dict[str, str], Any]] = collections.deque()
         for m in METRICS:
             name = m.instrument_name(self.naming)
             if m.kind == "counter":
@@ -271,8 +278,18 @@ class _Hub:
             cell = self.cells[ident] = HistogramCell(bounds, attributes)
         return cell
 
+    def flush(self) -> None:
+        pending = self.pending
+        while pending:
+            try:
+                instrument, value, attributes, ctx = pending.popleft()
+            except IndexError:  # emptied by another thread (engine and reader both flush)
+                return
+            instrument.record(value, attributes, context=ctx)
+
     def _counter_callback(self, key: str) -> Callable[[CallbackOptions], Iterator[Observation]]:
         def callback(_: CallbackOptions) -> Iterator[Observation]:
+            self.flush()
             totals: dict[tuple, tuple[dict[str, str], int]] = {}
             for recorder in list(self.recorders):
                 for attrs, value in recorder.counter_values(key):
@@ -285,6 +302,7 @@ class _Hub:
 
     def _gauge_callback(self, key: str) -> Callable[[CallbackOptions], Iterator[Observation]]:
         def callback(_: CallbackOptions) -> Iterator[Observation]:
+            self.flush()
             for recorder in list(self.recorders):
                 value = recorder.gauges.get(key)
                 if value is not None:
@@ -293,6 +311,7 @@ class _Hub:
 
     def _histogram_callback(self, key: str) -> Callable[[CallbackOptions], Iterator[Observation]]:
         def callback(_: CallbackOptions) -> Iterator[Observation]:
+            self.flush()
             for (cell_key, _attrs), cell in list(self.cells.items()):
                 if cell_key == key and any(cell.counts):
                     yield cell.observation()
@@ -397,7 +416,10 @@ class FastMetrics(Recorder):
         cells = self.request_cells
         for key, value in values.items():
             cells[key].observe(value, exemplar)
-        self.h_preemptions.record(num_preemptions, self.attributes, context=ctx)
+        pending = self.hub.pending
+        pending.append((self.h_preemptions, num_preemptions, self.attributes, ctx))
+        if len(pending) >= RECORD_BATCH:
+            self.hub.flush()
 
     def step(self, stats: StepStats) -> None:
         gauges = self.gauges

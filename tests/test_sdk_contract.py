@@ -1,4 +1,6 @@
-"""The SDK internals that otel_llm.aggregation relies on (pyproject pins opentelemetry-sdk 1.45.x).
+"""The SDK internals that otel_llm.aggregation and the batched records of metrics._Hub rely on
+(pyproject pins opentelemetry-sdk 1.45.x). spans.AssembledSpans is held by
+tests/test_spans_equivalence.py, which compares its spans with the SDK Tracer's.
 
 If an SDK upgrade changes any of these, this file fails first and names what moved.
 """
@@ -56,3 +58,35 @@ def test_cell_observation_binds_through_context():
     obs = cell.observation()
     assert obs.attributes == {"a": "b"} and obs.context is not None
     assert isinstance(InProcessHistogram((1.0,)), sdk_aggregation.Aggregation)
+
+
+def _preemption_counts(reader) -> list[int]:
+    data = reader.get_metrics_data()
+    return [p.count for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
+            if m.name == "vllm:request_num_preemptions" for p in m.data.data_points]
+
+
+def test_batched_records_reach_every_reader_at_its_collection_and_stay_bounded():
+    """metrics._Hub batches request_num_preemptions records; a collection flushes them first,
+    which relies on the SDK running observable callbacks before it reads synchronous instruments."""
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from otel_llm import EngineTelemetry
+    from otel_llm.metrics import RECORD_BATCH
+    from tests.otel_helpers import lifecycle
+
+    config = TelemetryConfig(model_name="tiny")
+    first, second = InMemoryMetricReader(), InMemoryMetricReader()
+    telemetry = EngineTelemetry(config, meter_provider=MeterProvider(metric_readers=[first, second],
+                                                                     views=views(config)))
+    hub = telemetry.metrics.hub
+    for i in range(3):
+        telemetry.on_events(lifecycle(f"r{i}", 10.0 + i))
+    assert len(hub.pending) == 3  # fewer than a batch: still pending
+    assert _preemption_counts(first) == [3]  # this collection flushed them
+    assert _preemption_counts(second) == [3]  # recorded into every reader's storage
+    for i in range(3, 3 + 5 * RECORD_BATCH):  # nobody collects: flushed by the engine, bounded
+        telemetry.on_events(lifecycle(f"r{i}", 10.0 + i))
+        assert len(hub.pending) < RECORD_BATCH
+    assert _preemption_counts(first) == _preemption_counts(second) == [3 + 5 * RECORD_BATCH]
