@@ -24,7 +24,7 @@ import urllib.parse
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import pytest
 
@@ -406,10 +406,11 @@ class OtlpSink:
         self.headers: list[dict] = []
         self.port = 0
         self.protocol = ""
+        self.scheme = "http"
 
     @property
     def endpoint(self) -> str:
-        return f"http://{LOOPBACK}:{self.port}"
+        return f"{self.scheme}://{LOOPBACK}:{self.port}"
 
     # oteltest RequestHandler interface
     def handle_metrics(self, request: Any, headers: Any) -> None:
@@ -449,8 +450,10 @@ class OtlpSink:
 
 
 @contextlib.contextmanager
-def start_otlp_sink(protocol: str = "grpc") -> Iterator[OtlpSink]:
+def start_otlp_sink(protocol: str = "grpc", tls: Optional[tuple[Path, Path]] = None) -> Iterator[OtlpSink]:
     """An OTLP receiver on 127.0.0.1 decoding into protobufs, built from oteltest's pieces.
+
+    ``tls``: (certificate, key) PEM files; the gRPC sink then serves TLS only (https endpoint).
 
     oteltest's GrpcSink/HttpSink bind 0.0.0.0 (and HttpSink cannot read gzip bodies, which
     rotel's HTTP exporter always sends): the gRPC sink uses oteltest's servicers on our own
@@ -469,6 +472,8 @@ def start_otlp_sink(protocol: str = "grpc") -> Iterator[OtlpSink]:
     except ImportError as exc:
         raise BackendUnavailable(f"oteltest/grpc not importable: {exc}") from exc
 
+    if tls is not None and protocol != "grpc":
+        raise ValueError("tls: only the gRPC sink serves TLS (test_reliability_security has a TLS HTTP receiver)")
     sink = OtlpSink()
     sink.protocol = protocol
     if protocol == "grpc":
@@ -478,7 +483,13 @@ def start_otlp_sink(protocol: str = "grpc") -> Iterator[OtlpSink]:
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(_TraceServiceServicer(sink.handle_trace), server)
         metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(_MetricsServiceServicer(sink.handle_metrics), server)
         logs_service_pb2_grpc.add_LogsServiceServicer_to_server(_LogsServiceServicer(sink.handle_logs), server)
-        sink.port = server.add_insecure_port(f"{LOOPBACK}:0")
+        if tls is None:
+            sink.port = server.add_insecure_port(f"{LOOPBACK}:0")
+        else:
+            cert, key = tls
+            credentials = grpc.ssl_server_credentials([(key.read_bytes(), cert.read_bytes())])
+            sink.port = server.add_secure_port(f"{LOOPBACK}:0", credentials)
+            sink.scheme = "https"
         if not sink.port:
             raise BackendUnavailable("grpc sink could not bind 127.0.0.1")
         server.start()
