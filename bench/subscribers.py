@@ -134,7 +134,7 @@ class PrometheusClientSubscriber:
         self.h_ttft.observe(ts - req.arrival)
         self.c_prompt.inc(req.prompt_tokens)
 
-    def tokens(self, req: RequestState, n: int, itl: Optional[float]) -> None:
+    def tokens(self, n: int, itl: Optional[float], exemplar: Any, ctx: Any) -> None:
         self.c_generation.inc(n)
         if itl is not None:
             self.h_itl.observe(itl)

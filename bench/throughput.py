@@ -173,7 +173,7 @@ def breakdown(requests: list) -> dict[str, Any]:
         tel.request_arrived = timed(tel.request_arrived, "EngineTelemetry.request_arrived (span start)")
         tel.request_preempted = timed(tel.request_preempted, "EngineTelemetry.request_preempted")
         tel.first_token = timed(tel.first_token, "EngineTelemetry.first_token")
-        tel.tokens = timed(tel.tokens, "EngineTelemetry.tokens (counter + ITL cell)")
+        tel.tokens = timed(tel.tokens, "FastMetrics.tokens (counter + ITL cell)")
         original = tracker_module.summarize
         tracker_module.summarize = timed(original, "tracker.summarize (RequestSummary)")
         hooks = _TimedHooks(tel)

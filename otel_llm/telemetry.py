@@ -96,6 +96,7 @@ class EngineTelemetry:
                              "and buckets are the SDK's defaults and every observation goes through the SDK. "
                              "Build it with MeterProvider(views=otel_llm.views(config), ...).")
         self.metrics: Recorder = (FastMetrics if fast_path else SdkMetrics)(meter_provider, config)
+        self.tokens = self.metrics.tokens  # TrackerSink.tokens: the recorder's own (one call per TOKENS event)
         self._lock: threading.Lock = self.metrics.lock  # type: ignore[attr-defined]
         exemplar_filter = (config.exemplar_filter or os.environ.get("OTEL_METRICS_EXEMPLAR_FILTER", "")
                            or "trace_based").lower()
@@ -208,9 +209,6 @@ class EngineTelemetry:
         self.metrics.prompt_tokens(req.prompt_tokens)
         if req.span is not None:
             self.spans.event(req.span, "first_token", ts, {})  # type: ignore[union-attr]
-
-    def tokens(self, req: RequestState, n: int, itl: Optional[float]) -> None:
-        self.metrics.tokens(n, itl, req.exemplar, req.ctx)
 
     def request_finished(self, req: RequestState, summary: RequestSummary, event: RequestEvent) -> None:
         extra = None

@@ -166,7 +166,8 @@ class TrackerSink(Protocol):
     def request_scheduled(self, req: RequestState, ts: float, resumed: bool) -> None: ...
     def request_preempted(self, req: RequestState, event: RequestEvent) -> None: ...
     def first_token(self, req: RequestState, ts: float) -> None: ...
-    def tokens(self, req: RequestState, n: int, itl: Optional[float]) -> None: ...
+    # New output tokens of a request (its exemplar ids and context as set by the sink at arrival).
+    def tokens(self, n: int, itl: Optional[float], exemplar: Any, ctx: Any) -> None: ...
     def request_finished(self, req: RequestState, summary: RequestSummary, event: RequestEvent) -> None: ...
     def request_evicted(self, req: RequestState) -> None: ...
     def dropped(self, reason: str, event: Any) -> None: ...
@@ -200,12 +201,17 @@ class Tracker:
     def handle(self, event: RequestEvent) -> None:
         kind = getattr(event, "type", None)
         if kind is _TOKENS:
-            # The hot path: one TOKENS event per running request per step. Routed straight to
-            # its transition when the request is known and the time valid; else the generic path.
+            # The hot path: one TOKENS event per running request per step. Its common case (a
+            # known request past its first token, a valid time and count) is applied right here;
+            # anything else takes the generic path below.
             req = self.inflight.get(event.request_id)
-            if req is not None and req.last_ts <= event.timestamp <= MAX_TIMESTAMP:
-                self._tokens(event, req)
-                return
+            if req is not None:
+                ts, n, last = event.timestamp, event.num_tokens, req.last_token
+                if last is not None and req.last_ts <= ts <= MAX_TIMESTAMP and type(n) is int and n >= 0:
+                    req.last_ts = req.last_token = ts
+                    req.generation_tokens += n
+                    self.sink.tokens(n, ts - last, req.exemplar, req.ctx)
+                    return
         handler = self._handlers.get(kind)
         if handler is None:
             self.sink.dropped(UNKNOWN_EVENT_TYPE, event)
@@ -312,7 +318,7 @@ class Tracker:
         last = req.last_token
         req.last_token = ts
         req.generation_tokens += n
-        self.sink.tokens(req, n, ts - last if last is not None else None)
+        self.sink.tokens(n, ts - last if last is not None else None, req.exemplar, req.ctx)
 
     def _finished(self, event: RequestEvent, req: RequestState) -> None:
         reason = event.finish_reason
