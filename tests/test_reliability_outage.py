@@ -319,10 +319,12 @@ def test_collector_outage_does_not_slow_or_block_the_engine_and_losses_are_count
         sink_cm.__exit__(None, None, None)
 
 
-def _step_times(engine: Engine, seconds: float, backlog: int = 24) -> list[float]:
+def _steps(engine: Engine, seconds: float, backlog: int = 24) -> tuple[list[float], float]:
+    """Wall seconds of each step, and the CPU seconds per second of every other thread."""
     load = Load(engine, backlog)
     load.run_for(seconds, "x")
-    return load.steps["x"]
+    other_cpu, wall = load.background["x"]
+    return load.steps["x"], other_cpu / wall
 
 
 def test_prometheus_endpoint_never_scraped_keeps_memory_flat(clean_env):
@@ -360,7 +362,7 @@ def test_a_slow_or_stuck_scraper_does_not_block_engine_steps(clean_env):
         engine.hooks.subscribe(handle.telemetry)
         load = Load(engine)
         load.run_for(1.0, "warmup")
-        baseline = _step_times(engine, 2.0)
+        baseline, _ = _steps(engine, 2.0)
 
         # The slow scrapers are other processes, as real scrapers are (a thread here would
         # compete for this process's GIL and measure the harness, not the endpoint).
@@ -386,7 +388,7 @@ def test_a_slow_or_stuck_scraper_does_not_block_engine_steps(clean_env):
         try:
             for r in readers:
                 assert r.stdout is not None and r.stdout.read(10) == b"." * 10  # reading, slowly
-            during = _step_times(engine, 4.0)
+            during, endpoint_cpu = _steps(engine, 4.0)
             assert all(r.poll() is None for r in readers), "a slow scraper gave up"
         finally:
             for r in readers:
@@ -396,9 +398,14 @@ def test_a_slow_or_stuck_scraper_does_not_block_engine_steps(clean_env):
                 c.close()
         ratio = statistics.median(baseline) / statistics.median(during)
         report = (f"median step {statistics.median(during)*1e3:.2f} ms with slow scrapers vs "
-                  f"{statistics.median(baseline)*1e3:.2f} ms (ratio {ratio:.3f}); max {max(during)*1e3:.1f} ms")
+                  f"{statistics.median(baseline)*1e3:.2f} ms (ratio {ratio:.3f}); max {max(during)*1e3:.1f} ms; "
+                  f"endpoint threads' CPU {endpoint_cpu:.3f} s/s")
         print(report)
         assert max(during) < 0.25, report  # a step blocked on the scrape would wait seconds
-        assert ratio > 0.9, report  # scrapes render under the GIL: some cost, no stall
+        # The endpoint's threads take the GIL only to render (once per scrape; a slow reader then
+        # holds a blocked socket, not the GIL): a few % of a core at most. Whole-step medians of
+        # seconds-long windows drift by +-6 % here, so the wall ratio is only a coarse guard.
+        assert endpoint_cpu < 0.03, report
+        assert ratio > 0.8, report
     finally:
         handle.shutdown()
