@@ -1,6 +1,6 @@
 """Request spans: one ``llm_request`` span per request, span events at each preemption.
 
-Two ways to make them, with the same output (tests/test_fast_path_equivalence.py):
+Two ways to make them, with the same output (tests/test_spans_equivalence.py):
 
 * :class:`RequestSpans` goes through the Tracer API: a live span from arrival to finish, an
   ``add_event`` per event. Works with any TracerProvider.
@@ -44,17 +44,16 @@ _MAX_LATER_ATTRIBUTES = 16
 def request_spans(config: TelemetryConfig, tracer_provider: Optional[TracerProvider], exemplar_filter: str,
                   assembled: bool = True) -> "RequestSpans":
     """Assembled spans when the provider is the SDK's (and ``assembled``), else the Tracer API path."""
-    spans = RequestSpans(config, tracer_provider, exemplar_filter)
-    if assembled and isinstance(spans.tracer, SdkTracer):
-        return AssembledSpans(config, spans.tracer, exemplar_filter)
-    return spans
+    tracer = trace.get_tracer("otel_llm", __version__, tracer_provider=tracer_provider)
+    if assembled and isinstance(tracer, SdkTracer):
+        return AssembledSpans(config, tracer, exemplar_filter)
+    return RequestSpans(config, tracer, exemplar_filter)
 
 
 class RequestSpans:
-    def __init__(self, config: TelemetryConfig, tracer_provider: Optional[TracerProvider],
-                 exemplar_filter: str) -> None:
+    def __init__(self, config: TelemetryConfig, tracer: trace.Tracer, exemplar_filter: str) -> None:
         self.config = config
-        self.tracer = trace.get_tracer("otel_llm", __version__, tracer_provider=tracer_provider)
+        self.tracer = tracer
         self._exemplar_filter = exemplar_filter
         self._offset_ns = time.time_ns() - time.monotonic_ns()
         self._model = config.model_name
@@ -176,8 +175,8 @@ class AssembledSpans(RequestSpans):
     """
 
     def __init__(self, config: TelemetryConfig, tracer: SdkTracer, exemplar_filter: str) -> None:
-        super().__init__(config, None, exemplar_filter)
-        self.tracer = tracer
+        super().__init__(config, tracer, exemplar_filter)
+        self.tracer: SdkTracer = tracer
         limits = tracer._span_limits
         self._max_events = limits.max_events
         self._max_attributes = limits.max_span_attributes
