@@ -31,8 +31,9 @@ ENGINE = dict(num_kv_blocks=64, block_size=16, max_num_seqs=32, max_num_batched_
               load_plugins=False)
 
 
-class _TimedHooks:
-    """Wraps a subscriber to measure the time spent inside it (on_events + on_step)."""
+class TimedHooks:
+    """Wraps a subscriber to measure the time spent inside it (on_events + on_step); also used by
+    tests/test_reliability_outage.py."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
@@ -86,7 +87,7 @@ def _lockstep(requests: list, endpoint: str, interval_ms: int) -> dict[str, dict
         engine = Engine(EngineConfig(**ENGINE))
         if kind == "floor":
             from .subscribers import CountingSubscriber
-            hooks[kind] = _TimedHooks(CountingSubscriber())
+            hooks[kind] = TimedHooks(CountingSubscriber())
             engine.hooks.subscribe(hooks[kind])
         elif kind != "off":
             full = kind.startswith("full")
@@ -103,7 +104,7 @@ def _lockstep(requests: list, endpoint: str, interval_ms: int) -> dict[str, dict
                 from .proposals import _inline
                 _inline(handle.telemetry)
             handles.append(handle)
-            hooks[kind] = _TimedHooks(handle.telemetry)
+            hooks[kind] = TimedHooks(handle.telemetry)
             engine.hooks.subscribe(hooks[kind])
         runners[kind] = _Runner(engine, requests)
     order = list(KINDS)
@@ -176,7 +177,7 @@ def breakdown(requests: list) -> dict[str, Any]:
         tel.tokens = timed(tel.tokens, "FastMetrics.tokens (counter + ITL cell)")
         original = tracker_module.summarize
         tracker_module.summarize = timed(original, "tracker.summarize (RequestSummary)")
-        hooks = _TimedHooks(tel)
+        hooks = TimedHooks(tel)
         engine = Engine(EngineConfig(**ENGINE))
         engine.hooks.subscribe(hooks)
         runner = _Runner(engine, requests)

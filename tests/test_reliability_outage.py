@@ -37,6 +37,7 @@ from backends import (
     start_otlp_sink,
     wait_until,
 )
+from bench.throughput import TimedHooks
 from engine_stub import Engine, EngineConfig
 from otel_llm import TelemetryConfig, setup_telemetry
 from otel_llm import tracker
@@ -105,32 +106,10 @@ class RotelOnPort:
                 self.proc.wait(timeout=5)
 
 
-class TimedSubscriber:
-    """Forwards the hook calls to the telemetry and adds up the wall time they take on the engine thread."""
-
-    def __init__(self, telemetry: Any) -> None:
-        self.telemetry = telemetry
-        self.seconds = 0.0
-
-    def on_events(self, events: Any) -> None:
-        start = time.perf_counter()
-        try:
-            self.telemetry.on_events(events)
-        finally:
-            self.seconds += time.perf_counter() - start
-
-    def on_step(self, stats: Any) -> None:
-        start = time.perf_counter()
-        try:
-            self.telemetry.on_step(stats)
-        finally:
-            self.seconds += time.perf_counter() - start
-
-
 class Load:
     """engine_stub kept busy: a steady backlog of identical requests, step times recorded per phase."""
 
-    def __init__(self, engine: Engine, backlog: int = 24, timed: TimedSubscriber | None = None) -> None:
+    def __init__(self, engine: Engine, backlog: int = 24, timed: TimedHooks | None = None) -> None:
         self.engine = engine
         self.backlog = backlog
         self.timed = timed
@@ -150,13 +129,13 @@ class Load:
             engine.add_request(rid, "the quick brown fox jumps over the lazy dog", max_tokens=48)
             self.ids_by_phase.setdefault(phase, []).append(rid)
             self.added += 1
-        hooks = self.timed.seconds if self.timed is not None else 0.0
+        hooks = self.timed.ns if self.timed is not None else 0
         start, cpu = time.perf_counter(), time.thread_time()
         self.finished += len(engine.step())
         self.steps.setdefault(phase, []).append(time.perf_counter() - start)
         self.cpu.setdefault(phase, []).append(time.thread_time() - cpu)
         if self.timed is not None:
-            self.hooks.setdefault(phase, []).append(self.timed.seconds - hooks)
+            self.hooks.setdefault(phase, []).append((self.timed.ns - hooks) / 1e9)
 
     def run_for(self, seconds: float, phase: str, each_step: Any = None) -> None:
         deadline = time.monotonic() + seconds
@@ -208,7 +187,7 @@ def test_collector_outage_does_not_slow_or_block_the_engine_and_losses_are_count
         handle = setup_telemetry(TelemetryConfig(model_name="tiny"), extra_metric_readers=[reader])
         engine = Engine(EngineConfig(num_kv_blocks=128, block_size=16, max_num_seqs=16, max_num_batched_tokens=128,
                                      seed=0, load_plugins=False))
-        timed = TimedSubscriber(handle.telemetry)
+        timed = TimedHooks(handle.telemetry)
         engine.hooks.subscribe(timed)
         load = Load(engine, timed=timed)
         batch = handle.tracer_provider._active_span_processor._span_processors[0]._batch_processor
