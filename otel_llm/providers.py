@@ -25,7 +25,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
 
-from . import otlp
+from . import otlp, sdk_env
 from .accounting import CountingMetricExporter, ExportAccounting, counting_processor
 from .config import TelemetryConfig
 from .metrics import views
@@ -118,9 +118,12 @@ def setup_telemetry(config: Optional[TelemetryConfig] = None, *,
     traces_exporters = config.traces_exporters or ("otlp",)
 
     # Every exporter setting is checked before anything binds a port or starts a thread.
+    protocols = {}
     for signal, names in (("metrics", metrics_exporters), ("traces", traces_exporters)):
         if "otlp" in names:
-            otlp.endpoint(config, env, signal, otlp.protocol(config, env, signal))
+            protocols[signal] = otlp.protocol(config, env, signal)
+            otlp.endpoint(config, env, signal, protocols[signal])
+    sdk_env.check(env, protocols)
 
     prometheus = None
     readers: list[MetricReader] = []

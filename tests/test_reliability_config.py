@@ -132,6 +132,27 @@ BAD_SETUP_ENV = [
     ("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "notaurl", ("http:// or https:// URL",)),
     ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "ftp://x", ("http:// or https:// URL",)),
 ]
+# Read by the SDK and its exporters themselves; checked first by otel_llm.sdk_env (the SDK would
+# fail deep inside, fall back to a default with a log line, or fail every export later).
+BAD_SDK_ENV = [
+    ("OTEL_EXPORTER_OTLP_TIMEOUT", "abc", ("seconds > 0",)),
+    ("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "-5", ("seconds > 0",)),
+    ("OTEL_EXPORTER_OTLP_METRICS_TIMEOUT", "inf", ("seconds > 0",)),
+    ("OTEL_EXPORTER_OTLP_COMPRESSION", "bogus", ("must be one of", "gzip")),
+    ("OTEL_EXPORTER_OTLP_METRICS_COMPRESSION", "zstd", ("must be one of",)),
+    ("OTEL_EXPORTER_OTLP_TRACES_COMPRESSION", "deflate", ("must be one of gzip with the grpc exporter",)),
+    ("OTEL_EXPORTER_OTLP_CERTIFICATE", "/nonexistent/ca.pem", ("readable file",)),
+    ("OTEL_EXPORTER_OTLP_TRACES_CLIENT_KEY", "/nonexistent/key.pem", ("readable file",)),
+    ("OTEL_METRIC_EXPORT_TIMEOUT", "abc", ("milliseconds > 0",)),
+    ("OTEL_BSP_MAX_QUEUE_SIZE", "abc", ("integer >= 1",)),
+    ("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "0", ("integer >= 1",)),
+    ("OTEL_BSP_SCHEDULE_DELAY", "-1", ("integer >= 1",)),
+    ("OTEL_BSP_EXPORT_TIMEOUT", "1.5", ("integer >= 0",)),
+    ("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "4096", ("must be <=", "OTEL_BSP_MAX_QUEUE_SIZE")),
+    ("OTEL_TRACES_SAMPLER", "sometimes", ("must be one of", "parentbased_traceidratio")),
+    ("OTEL_RESOURCE_ATTRIBUTES", "team=llm,garbage", ("must be key=value",)),
+]
+BAD_SAMPLER_ARG = {"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "1.5"}
 BASE_ENV = {"OTEL_METRICS_EXPORTER": "otlp", "OTEL_TRACES_EXPORTER": "otlp",
             "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9"}
 
@@ -159,6 +180,45 @@ def test_invalid_exporter_variable_fails_in_setup(var, raw, words):
     _one_clear_message(info.value, var, raw, words)
 
 
+@pytest.mark.parametrize("var,raw,words", BAD_SDK_ENV, ids=[f"{v}={r!r}" for v, r, _ in BAD_SDK_ENV])
+def test_invalid_sdk_variable_fails_in_setup_before_the_sdk_reads_it(var, raw, words):
+    with pytest.raises(ValueError) as info:
+        setup_telemetry(environ={**BASE_ENV, var: raw})
+    _one_clear_message(info.value, var, raw, words)
+
+
+def test_invalid_sampler_argument_fails_in_setup():
+    with pytest.raises(ValueError) as info:
+        setup_telemetry(environ={**BASE_ENV, **BAD_SAMPLER_ARG})
+    _one_clear_message(info.value, "OTEL_TRACES_SAMPLER_ARG", "1.5", ("ratio in 0..1",))
+
+
+@pytest.mark.parametrize("var", ["OTEL_EXPORTER_OTLP_HEADERS", "OTEL_EXPORTER_OTLP_TRACES_HEADERS"])
+def test_malformed_headers_fail_in_setup_without_showing_the_secret(var, caplog):
+    caplog.set_level(logging.DEBUG)
+    secret = "s3cr3t-value"
+    with pytest.raises(ValueError) as info:
+        setup_telemetry(environ={**BASE_ENV, var: f"x-tenant=acme,authorization=Bearer {secret};x"})
+    message = str(info.value)
+    assert var in message and "member 2" in message and "authorization=***" in message and "name=value" in message
+    assert secret not in message and secret not in caplog.text
+
+
+def test_valid_sdk_variables_are_accepted(clean_env):
+    """No false alarms: values the SDK takes are taken (set in os.environ, which the SDK reads)."""
+    good = {"OTEL_EXPORTER_OTLP_TIMEOUT": "2.5", "OTEL_EXPORTER_OTLP_COMPRESSION": "GZIP",
+            "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL": "http/protobuf", "OTEL_EXPORTER_OTLP_METRICS_COMPRESSION": "none",
+            "OTEL_EXPORTER_OTLP_HEADERS": "authorization=Bearer abc%20def , x-tenant=acme,",
+            "OTEL_METRIC_EXPORT_TIMEOUT": "5000", "OTEL_BSP_MAX_QUEUE_SIZE": "64",
+            "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "64", "OTEL_BSP_SCHEDULE_DELAY": "200", "OTEL_BSP_EXPORT_TIMEOUT": "0",
+            "OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.25",
+            "OTEL_RESOURCE_ATTRIBUTES": "team=llm, region=eu-west=1"}
+    for var, value in {**BASE_ENV, **good}.items():
+        clean_env.setenv(var, value)
+    handle = setup_telemetry(TelemetryConfig(model_name="m"))
+    handle.shutdown()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -175,7 +235,8 @@ def _bindable(port: int) -> bool:
 
 
 @pytest.mark.parametrize("var,raw", [("OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", "thrift"),
-                                     ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "ftp://x")])
+                                     ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "ftp://x"),
+                                     ("OTEL_BSP_MAX_QUEUE_SIZE", "abc")])
 def test_a_failed_setup_leaves_no_listener_behind(var, raw):
     """The Prometheus endpoint must not stay bound when a later setting fails setup."""
     port = _free_port()
