@@ -153,3 +153,10 @@ def env(**values: Optional[str]) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def flush(sub: Any) -> None:
+    """Apply event batches a subscriber still keeps (EngineTelemetry defers them a few steps)."""
+    apply = getattr(getattr(sub, "telemetry", sub), "flush", None)
+    if apply is not None:
+        apply()

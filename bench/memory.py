@@ -20,7 +20,7 @@ from typing import Any
 from otel_llm.config import TelemetryConfig
 from otel_llm.events import EventType, RequestEvent
 
-from .common import ratio, rss_bytes, slope
+from .common import flush, ratio, rss_bytes, slope
 from .subscribers import PrometheusClientSubscriber, otel_subscriber
 from .workload import lifecycle_batch
 
@@ -48,6 +48,7 @@ def inflight_bytes(n: int) -> dict[str, float]:
         before = tracemalloc.get_traced_memory()[0]
         for batch in batches:
             sub.on_events(batch)
+        flush(sub)
         gc.collect()
         after = tracemalloc.get_traced_memory()[0]
         tracemalloc.stop()
@@ -58,7 +59,9 @@ def inflight_bytes(n: int) -> dict[str, float]:
 
 
 def rss_flat(total: int, batch: int = 1000, samples: int = 10) -> dict[str, Any]:
-    config = TelemetryConfig(model_name="bench", spans=False, max_inflight_requests=min(100_000, total // 4))
+    # defer_steps=1: a batch here is 1000 requests, not an engine step.
+    config = TelemetryConfig(model_name="bench", spans=False, max_inflight_requests=min(100_000, total // 4),
+                             defer_steps=1)
     sub = otel_subscriber(config)
     gc.collect()
     t = 100.0
@@ -115,7 +118,7 @@ def steady_state(warm: int, measured: int, batch: int = 1000, chunk: int = 10_00
     plain dict, forgetting the oldest id cost a sawtooth up to ~180 us per request (each
     ``next(iter(d))`` skips the slots deleted since the last resize); the core's OrderedDict
     keeps it flat: ``us_per_request_by_chunk`` and the max/min chunk ratio show it."""
-    config = TelemetryConfig(model_name="bench", spans=False, max_inflight_requests=warm)
+    config = TelemetryConfig(model_name="bench", spans=False, max_inflight_requests=warm, defer_steps=1)
     subs = {"ours": otel_subscriber(config)}
     targets = {name: sub.telemetry for name, sub in subs.items()}
     t = 100.0

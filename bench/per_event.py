@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from otel_llm.config import TelemetryConfig
 
-from .common import median, ratio
+from .common import flush, median, ratio
 from .subscribers import CountingSubscriber, PrometheusClientSubscriber, otel_subscriber
 from .workload import EventMix, event_mix
 
@@ -61,6 +61,7 @@ def measure(factories: dict[str, Callable[[], Any]], mix: EventMix, reps: int, c
         subs = {n: factories[n]() for n in names}
         for sub in subs.values():
             replay(sub, mix.warmup)
+            flush(sub)
         gc.collect()
         totals = dict.fromkeys(names, 0)
         clock = time.perf_counter_ns
@@ -73,6 +74,9 @@ def measure(factories: dict[str, Callable[[], Any]], mix: EventMix, reps: int, c
                 replay(sub, part)
                 totals[n] += clock() - t0
         for n in names:
+            t0 = clock()
+            flush(subs[n])  # the work still pending at the end is part of the cost
+            totals[n] += clock() - t0
             out[n].append(totals[n] / mix.num_events)
             subs[n].shutdown()
     return out

@@ -158,6 +158,7 @@ def micro(number: int = 200_000, repeat: int = 7) -> dict[str, float]:
     tel = sub.telemetry
     tel.on_events([RequestEvent(EventType.ARRIVED, "r", 1.0, prompt_tokens=3, max_tokens=10**9),
                    RequestEvent(EventType.SCHEDULED, "r", 1.0), RequestEvent(EventType.TOKENS, "r", 1.1, num_tokens=1)])
+    tel.flush()
     req = tel.tracker.inflight["r"]
     ev = RequestEvent(EventType.TOKENS, "r", 1.2, num_tokens=1)
     null_tracker = Tracker(_Null(), 10)

@@ -37,6 +37,10 @@ class TelemetryConfig:
     max_label_values: int = 100  # distinct values per user-derived label (finish/preemption reasons)
     record_content: bool = False  # prompt/output text on spans: off unless asked for
     content_max_length: int = 1024  # characters kept when record_content is on
+    # Event batches kept and applied together every N engine steps: the telemetry's code then
+    # starts cold (after the model's work evicted the CPU caches) once per N steps, not every
+    # step. A reader's collection, flush() and shutdown() apply what is pending first. 1 = at once.
+    defer_steps: int = 16
     # Exporters (used by setup_telemetry); None = the standard OTEL_* variable or its default.
     metrics_exporters: Optional[tuple[str, ...]] = None
     traces_exporters: Optional[tuple[str, ...]] = None
@@ -64,7 +68,8 @@ class TelemetryConfig:
         _check(isinstance(self.resource_attributes, Mapping)
                and all(isinstance(k, str) and isinstance(v, str) for k, v in self.resource_attributes.items()),
                "resource_attributes", self.resource_attributes, "must be a mapping of str to str")
-        for name in ("max_model_len", "max_inflight_requests", "max_label_values", "content_max_length"):
+        for name in ("max_model_len", "max_inflight_requests", "max_label_values", "content_max_length",
+                     "defer_steps"):
             value = getattr(self, name)
             _check(_is_int(value) and value >= 1, name, value, "must be an integer >= 1")
         if self.metrics_exporters is not None:
@@ -196,6 +201,7 @@ _ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
     "OTEL_LLM_MAX_LABEL_VALUES": ("max_label_values", _int),
     "OTEL_LLM_RECORD_CONTENT": ("record_content", _bool),
     "OTEL_LLM_CONTENT_MAX_LENGTH": ("content_max_length", _int),
+    "OTEL_LLM_DEFER_STEPS": ("defer_steps", _int),
     "OTEL_METRICS_EXPORTER": ("metrics_exporters", lambda t: tuple(t.split(","))),
     "OTEL_TRACES_EXPORTER": ("traces_exporters", lambda t: tuple(t.split(","))),
     "OTEL_EXPORTER_PROMETHEUS_HOST": ("prometheus_host", str),

@@ -260,6 +260,8 @@ class _Hub:
         # every RECORD_BATCH requests, and by every collection: the SDK runs the callbacks below
         # before it reads its synchronous instruments, so a reader never misses a record.
         self.pending: collections.deque[tuple[Any, int, dict[str, str], Any]] = collections.deque()
+        # Telemetries that keep event batches (TelemetryConfig.defer_steps): applied at collection.
+        self.deferring: "weakref.WeakSet[Any]" = weakref.WeakSet()
         for m in METRICS:
             name = m.instrument_name(self.naming)
             if m.kind == "counter":
@@ -278,6 +280,16 @@ class _Hub:
             cell = self.cells[ident] = HistogramCell(bounds, attributes)
         return cell
 
+    def before_collect(self) -> None:
+        """Run by every callback (the SDK runs them before it reads any instrument): pending event
+        batches applied, then pending records flushed. Never raises into the SDK's collection."""
+        for telemetry in list(self.deferring):
+            try:
+                telemetry.apply_pending()
+            except Exception:  # noqa: BLE001
+                _log.warning("otel_llm: applying pending events at collection failed", exc_info=True)
+        self.flush()
+
     def flush(self) -> None:
         pending = self.pending
         while pending:
@@ -289,7 +301,7 @@ class _Hub:
 
     def _counter_callback(self, key: str) -> Callable[[CallbackOptions], Iterator[Observation]]:
         def callback(_: CallbackOptions) -> Iterator[Observation]:
-            self.flush()
+            self.before_collect()
             totals: dict[tuple, tuple[dict[str, str], int]] = {}
             for recorder in list(self.recorders):
                 for attrs, value in recorder.counter_values(key):
@@ -302,7 +314,7 @@ class _Hub:
 
     def _gauge_callback(self, key: str) -> Callable[[CallbackOptions], Iterator[Observation]]:
         def callback(_: CallbackOptions) -> Iterator[Observation]:
-            self.flush()
+            self.before_collect()
             for recorder in list(self.recorders):
                 value = recorder.gauges.get(key)
                 if value is not None:
@@ -311,7 +323,7 @@ class _Hub:
 
     def _histogram_callback(self, key: str) -> Callable[[CallbackOptions], Iterator[Observation]]:
         def callback(_: CallbackOptions) -> Iterator[Observation]:
-            self.flush()
+            self.before_collect()
             for (cell_key, _attrs), cell in list(self.cells.items()):
                 if cell_key == key and any(cell.counts):
                     yield cell.observation()

@@ -68,6 +68,8 @@ class TelemetryHandle:
         return telemetry
 
     def force_flush(self, timeout_millis: int = 10_000) -> bool:
+        for telemetry in self.engines:
+            telemetry.flush()  # pending events first: their spans and records
         ok = True
         for provider in (self.tracer_provider, self.meter_provider):
             if provider is self.meter_provider and self.accounting is not None:

@@ -1,8 +1,15 @@
 """EngineTelemetry: the hook-bus subscriber that ties the tracker, the metrics and the spans.
 
 Guarantees: nothing raises into the engine (bad events are dropped and counted by reason,
-internal failures too); state is bounded (the tracker's caps); events of one batch are
-applied under one lock, so several publishing threads keep exact totals.
+internal failures too); state is bounded (the tracker's caps, at most ``defer_steps`` kept
+batches); batches are applied in order under one lock, so several publishing threads keep
+exact totals.
+
+Event batches are kept and applied together every ``defer_steps`` engine steps: between two
+steps the model's work evicts the CPU caches, and the telemetry's code and data then cost
+several times more than when warm (engine_stub: ~3 us per TOKENS event cold, 0.5 us warm). A
+reader's collection (the metric hub's callbacks), an idle engine step, flush() and shutdown()
+apply what is pending first, so no reader ever sees a partial picture.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ import os
 import threading
 import time
 import weakref
+from collections import deque
 from typing import Any, Iterable, Optional, Sequence
 
 from opentelemetry import metrics as metrics_api
@@ -105,6 +113,13 @@ class EngineTelemetry:
         self.spans = (request_spans(config, tracer_provider, exemplar_filter, assembled_spans)
                       if config.spans else None)
         self.tracker = Tracker(self, config.max_inflight_requests)
+        self._pending: deque[tuple[RequestEvent, ...]] = deque()
+        # Deferred only where every collection applies the pending batches first (the hub's
+        # callbacks); the SDK path records as it goes.
+        hub = getattr(self.metrics, "hub", None)
+        self._defer_steps = config.defer_steps if hub is not None else 1
+        if self._defer_steps > 1:
+            hub.deferring.add(self)  # type: ignore[union-attr]
         self._drops = DropLog()
         self._closed = False
         _instances.add(self)
@@ -112,26 +127,45 @@ class EngineTelemetry:
     # -- the hook bus interface ----------------------------------------------------------
 
     def on_events(self, events: Sequence[RequestEvent]) -> None:
-        handle = self.tracker.handle
         try:
-            with self._lock:
-                for event in events:
+            pending = self._pending
+            pending.append(tuple(events))  # a copy: the engine may reuse its list
+            if len(pending) >= self._defer_steps:
+                self.apply_pending()
+        except Exception:  # noqa: BLE001 - e.g. events not iterable
+            self._internal_error(events)
+
+    def apply_pending(self) -> None:
+        """Apply the event batches kept so far (``TelemetryConfig.defer_steps``), in order."""
+        handle = self.tracker.handle
+        pending = self._pending
+        with self._lock:
+            while pending:
+                for event in pending.popleft():
                     try:
                         handle(event)
                     except (TypeError, AttributeError, ValueError):
                         self.dropped(t.INVALID_VALUE, event)
                     except Exception:  # noqa: BLE001 - never into the engine
                         self._internal_error(event)
-        except Exception:  # noqa: BLE001 - e.g. events not iterable
-            self._internal_error(events)
+
+    def flush(self) -> None:
+        """Apply pending events now (readers and shutdown do it themselves)."""
+        try:
+            self.apply_pending()
+        except Exception:  # noqa: BLE001
+            self._internal_error(None)
 
     def on_step(self, stats: StepStats) -> None:
         try:
             with self._lock:
-                if _valid_step(stats):
+                valid = _valid_step(stats)
+                if valid:
                     self.metrics.step(stats)
                 else:
                     self.dropped(t.INVALID_VALUE, stats)
+            if valid and self._pending and stats.num_running == 0 and stats.num_waiting == 0:
+                self.apply_pending()  # the engine went idle: nothing left to slow down
         except Exception:  # noqa: BLE001
             self._internal_error(stats)
 
@@ -172,7 +206,9 @@ class EngineTelemetry:
             self._internal_error(None)
 
     def shutdown(self) -> None:
-        """End the spans of requests still in flight (marked incomplete). Idempotent."""
+        """Apply pending events, end the spans of requests still in flight (marked incomplete).
+        Idempotent."""
+        self.flush()
         with self._lock:
             if self._closed:
                 return

@@ -22,8 +22,15 @@ E = EventType
 class Rig:
     telemetry: EngineTelemetry
     reader: InMemoryMetricReader
-    spans: InMemorySpanExporter
+    span_exporter: InMemorySpanExporter
     meter_provider: MeterProvider
+
+    @property
+    def spans(self) -> InMemorySpanExporter:
+        """The finished spans' exporter, after the pending event batches are applied
+        (a metric collection applies them by itself)."""
+        self.telemetry.flush()
+        return self.span_exporter
 
     def metrics(self) -> dict[str, list[Any]]:
         return collect(self.reader)

@@ -61,6 +61,8 @@ BAD_KWARGS = [
     ("max_label_values", 0, (">= 1",)),
     ("max_label_values", 2.0, ("integer",)),
     ("content_max_length", 0, (">= 1",)),
+    ("defer_steps", 0, (">= 1",)),
+    ("defer_steps", 2.5, (">= 1",)),
     ("record_content", "false", ("True or False",)),  # a truthy string must not switch content on
     ("spans", None, ("True or False",)),
     ("sdk_disabled", "no", ("True or False",)),
@@ -111,6 +113,7 @@ BAD_ENV = [
     ("OTEL_LLM_MAX_LABEL_VALUES", "1.5", ("not an integer",)),
     ("OTEL_LLM_RECORD_CONTENT", "2", ("not a boolean",)),
     ("OTEL_LLM_CONTENT_MAX_LENGTH", "abc", ("not an integer",)),
+    ("OTEL_LLM_DEFER_STEPS", "0", (">= 1",)),
     ("OTEL_METRICS_EXPORTER", "otlp,jaeger", ("is not one of",)),
     ("OTEL_TRACES_EXPORTER", "prometheus", ("is not one of",)),
     ("OTEL_EXPORTER_PROMETHEUS_HOST", None, ()),  # blank = unset; any other string is a host

@@ -80,6 +80,7 @@ class Rig:
     def publish(self, batches: list[list[Any]]) -> None:
         for batch in batches:
             self.bus.publish(batch)  # never raises: the bus isolates, so check bus.errors too
+        self.telemetry.flush()  # apply the batches the telemetry keeps (defer_steps), as a reader would
 
     def metrics(self) -> dict[str, list[Any]]:
         out: dict[str, list[Any]] = {}

@@ -117,6 +117,7 @@ def test_in_flight_cap_evicts_the_oldest_request_counted_and_marked():
                              environ={})
     telemetry = handle.telemetry
     telemetry.on_events([RequestEvent(E.ARRIVED, f"r{i}", float(i), prompt_tokens=1) for i in range(5)])
+    telemetry.flush()  # apply the kept batch now, to look at the tracker
     assert list(telemetry.tracker.inflight) == ["r2", "r3", "r4"]
     telemetry.on_events([RequestEvent(E.FINISHED, "r0", 9.0, finish_reason="stop")]  # its request is gone
                         + [RequestEvent(E.FINISHED, f"r{i}", 9.0, finish_reason="stop") for i in (2, 3, 4)])

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import logging
 import shutil
@@ -235,6 +236,8 @@ def _span_rig(config: TelemetryConfig) -> tuple[EngineTelemetry, InMemorySpanExp
     tp.add_span_processor(SimpleSpanProcessor(spans))
     reader = InMemoryMetricReader()
     mp = MeterProvider(metric_readers=[reader], views=otel_llm.views(config))
+    # defer_steps=1: each on_events applied at once, so that its span can be read right after.
+    config = dataclasses.replace(config, defer_steps=1)
     return EngineTelemetry(config, meter_provider=mp, tracer_provider=tp), spans, reader
 
 

@@ -76,7 +76,7 @@ def test_batched_records_reach_every_reader_at_its_collection_and_stay_bounded()
     from otel_llm.metrics import RECORD_BATCH
     from tests.otel_helpers import lifecycle
 
-    config = TelemetryConfig(model_name="tiny")
+    config = TelemetryConfig(model_name="tiny", defer_steps=1)  # events applied at once: records pending
     first, second = InMemoryMetricReader(), InMemoryMetricReader()
     telemetry = EngineTelemetry(config, meter_provider=MeterProvider(metric_readers=[first, second],
                                                                      views=views(config)))
