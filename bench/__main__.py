@@ -85,7 +85,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         results["profile"] = {
             "note": "cProfile (deterministic: inflates per-call overhead) of our subscriber on the section-1 "
                     "event mix; 'micro_ns' are timeit minima of the pieces of the TOKENS path; the measured "
-                    "proposals are in per_event.proposals and throughput (+inline rows)",
+                    "proposals are in per_event.proposals",
             "targets_missed": [f"{section}: {k}" for section in SECTIONS
                                for k, ok in (results.get(section) or {}).get("targets", {}).items() if not ok],
             "ours": per_event.profile_ours(mix),

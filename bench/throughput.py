@@ -94,15 +94,13 @@ def _lockstep(requests: list, endpoint: str, interval_ms: int) -> dict[str, dict
             config = TelemetryConfig(model_name="bench", engine=kind, spans=full,
                                      metrics_exporters=("otlp",),
                                      traces_exporters=("otlp",) if full else ("none",),
-                                     metric_export_interval_ms=interval_ms)
+                                     metric_export_interval_ms=interval_ms,
+                                     defer_steps=1 if kind.endswith("+each_step") else TelemetryConfig.defer_steps)
             sampled = kind.endswith("+sampled10")
             with env(OTEL_EXPORTER_OTLP_ENDPOINT=endpoint, OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
                      OTEL_TRACES_SAMPLER="parentbased_traceidratio" if sampled else None,
                      OTEL_TRACES_SAMPLER_ARG="0.1" if sampled else None):
                 handle = setup_telemetry(config)
-            if kind.endswith("+inline"):
-                from .proposals import _inline
-                _inline(handle.telemetry)
             handles.append(handle)
             hooks[kind] = TimedHooks(handle.telemetry)
             engine.hooks.subscribe(hooks[kind])
@@ -132,8 +130,8 @@ def _lockstep(requests: list, endpoint: str, interval_ms: int) -> dict[str, dict
 
 
 # "floor": the engine publishing its events to a subscriber that only counts them (what emitting
-# events costs the engine at all). "+inline": the same as without, with the measured proposal
-# ``inline_on_events`` (bench/proposals.py) applied. "+sampled10": the standard sampler knob,
+# events costs the engine at all). "+each_step": the same as without, with defer_steps=1 (every
+# step's events applied at once: what deferring them saves). "+sampled10": the standard sampler knob,
 # OTEL_TRACES_SAMPLER=parentbased_traceidratio with OTEL_TRACES_SAMPLER_ARG=0.1 (10 % of requests
 # traced; metrics unchanged, exemplars only from traced requests).
 def breakdown(requests: list) -> dict[str, Any]:
@@ -197,7 +195,7 @@ def breakdown(requests: list) -> dict[str, Any]:
     return out
 
 
-KINDS = ("off", "floor", "metrics", "full", "metrics+inline", "full+inline", "full+sampled10")
+KINDS = ("off", "floor", "metrics", "full", "metrics+each_step", "full+each_step", "full+sampled10")
 
 
 def run(tiny: bool, reps: int) -> dict[str, Any]:
