@@ -17,14 +17,15 @@ import pstats
 import time
 from typing import Any, Callable
 
-from otel_llm.config import TelemetryConfig
+from otel_llm.config import DEFAULT_DEFER_STEPS, TelemetryConfig
 
 from .common import flush, median, ratio
 from .subscribers import CountingSubscriber, PrometheusClientSubscriber, otel_subscriber
 from .workload import EventMix, event_mix
 
-CONFIG = TelemetryConfig(model_name="bench", spans=False)
-CONFIG_SPANS = TelemetryConfig(model_name="bench", spans=True)
+# defer_steps as setup_telemetry sets it: the engine plugins' path.
+CONFIG = TelemetryConfig(model_name="bench", spans=False, defer_steps=DEFAULT_DEFER_STEPS)
+CONFIG_SPANS = TelemetryConfig(model_name="bench", spans=True, defer_steps=DEFAULT_DEFER_STEPS)
 
 SUBSCRIBERS: dict[str, tuple[str, Callable[[], Any]]] = {
     "ours": ("EngineTelemetry, fast path, spans off", lambda: otel_subscriber(CONFIG)),

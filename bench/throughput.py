@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from engine_stub import Engine, EngineConfig
 from engine_stub.workload import WorkloadSpec, generate
-from otel_llm.config import TelemetryConfig
+from otel_llm.config import DEFAULT_DEFER_STEPS, TelemetryConfig
 from otel_llm.providers import setup_telemetry
 
 from .common import env, median, otlp_receiver, ratio
@@ -95,7 +95,7 @@ def _lockstep(requests: list, endpoint: str, interval_ms: int) -> dict[str, dict
                                      metrics_exporters=("otlp",),
                                      traces_exporters=("otlp",) if full else ("none",),
                                      metric_export_interval_ms=interval_ms,
-                                     defer_steps=1 if kind.endswith("+each_step") else TelemetryConfig.defer_steps)
+                                     defer_steps=1 if kind.endswith("+each_step") else None)
             sampled = kind.endswith("+sampled10")
             with env(OTEL_EXPORTER_OTLP_ENDPOINT=endpoint, OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
                      OTEL_TRACES_SAMPLER="parentbased_traceidratio" if sampled else None,
@@ -148,7 +148,7 @@ def breakdown(requests: list) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     for spans in (False, True):
-        sub = otel_subscriber(TelemetryConfig(model_name="bench", spans=spans))
+        sub = otel_subscriber(TelemetryConfig(model_name="bench", spans=spans, defer_steps=DEFAULT_DEFER_STEPS))
         tel = sub.telemetry
         times: dict[str, list[int]] = {}
 

@@ -21,6 +21,7 @@ METRICS_EXPORTERS = ("otlp", "prometheus", "console", "none")
 TRACES_EXPORTERS = ("otlp", "console", "none")
 OTLP_PROTOCOLS = ("grpc", "http/protobuf")
 EXEMPLAR_FILTERS = ("trace_based", "always_on", "always_off")
+DEFAULT_DEFER_STEPS = 16  # defer_steps of the telemetry setup_telemetry builds, unless set
 
 
 @dataclass(frozen=True)
@@ -39,8 +40,10 @@ class TelemetryConfig:
     content_max_length: int = 1024  # characters kept when record_content is on
     # Event batches kept and applied together every N engine steps: the telemetry's code then
     # starts cold (after the model's work evicted the CPU caches) once per N steps, not every
-    # step. A reader's collection, flush() and shutdown() apply what is pending first. 1 = at once.
-    defer_steps: int = 16
+    # step. A reader's collection, an idle step, flush() and shutdown() apply what is pending
+    # first. None: DEFAULT_DEFER_STEPS through setup_telemetry (the engine plugins' path), 1 (each
+    # on_events applied at once) for an EngineTelemetry built by hand.
+    defer_steps: Optional[int] = None
     # Exporters (used by setup_telemetry); None = the standard OTEL_* variable or its default.
     metrics_exporters: Optional[tuple[str, ...]] = None
     traces_exporters: Optional[tuple[str, ...]] = None
@@ -68,10 +71,12 @@ class TelemetryConfig:
         _check(isinstance(self.resource_attributes, Mapping)
                and all(isinstance(k, str) and isinstance(v, str) for k, v in self.resource_attributes.items()),
                "resource_attributes", self.resource_attributes, "must be a mapping of str to str")
-        for name in ("max_model_len", "max_inflight_requests", "max_label_values", "content_max_length",
-                     "defer_steps"):
+        for name in ("max_model_len", "max_inflight_requests", "max_label_values", "content_max_length"):
             value = getattr(self, name)
             _check(_is_int(value) and value >= 1, name, value, "must be an integer >= 1")
+        if self.defer_steps is not None:
+            _check(_is_int(self.defer_steps) and self.defer_steps >= 1, "defer_steps", self.defer_steps,
+                   "must be an integer >= 1")
         if self.metrics_exporters is not None:
             object.__setattr__(self, "metrics_exporters", _names("metrics_exporters", self.metrics_exporters,
                                                                  METRICS_EXPORTERS))

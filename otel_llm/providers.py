@@ -27,7 +27,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExport
 
 from . import otlp, sdk_env
 from .accounting import CountingMetricExporter, ExportAccounting, counting_processor
-from .config import TelemetryConfig
+from .config import DEFAULT_DEFER_STEPS, TelemetryConfig
 from .metrics import views
 from .telemetry import EngineTelemetry
 
@@ -109,6 +109,8 @@ def setup_telemetry(config: Optional[TelemetryConfig] = None, *,
     """
     env = os.environ if environ is None else environ
     config = (config or TelemetryConfig.from_env(env)).with_env_defaults(env)
+    if config.defer_steps is None:
+        config = dataclasses.replace(config, defer_steps=DEFAULT_DEFER_STEPS)
     if config.sdk_disabled:
         telemetry = EngineTelemetry(config, meter_provider=NoOpMeterProvider(),
                                     tracer_provider=trace.NoOpTracerProvider(), fast_path=False)

@@ -3,7 +3,8 @@ when the engine goes idle, when a reader collects, on flush() and on shutdown().
 
 from __future__ import annotations
 
-from otel_llm import StepStats, TelemetryConfig
+from otel_llm import StepStats, TelemetryConfig, setup_telemetry
+from otel_llm.config import DEFAULT_DEFER_STEPS
 from tests.otel_helpers import E, RequestEvent, lifecycle, rig
 
 BUSY = StepStats(1.0, num_running=3, num_waiting=1)
@@ -68,3 +69,17 @@ def test_the_engine_may_reuse_its_event_list():
     batch.clear()  # as an engine that reuses one list per step would
     r.telemetry.flush()
     assert r.point("vllm:request_success", finished_reason="stop").value == 1
+
+
+def test_setup_telemetry_defers_a_hand_built_telemetry_applies_at_once():
+    handle = setup_telemetry(TelemetryConfig(model_name="m", metrics_exporters=("none",), traces_exporters=("none",)),
+                             environ={})
+    try:
+        assert handle.config.defer_steps == DEFAULT_DEFER_STEPS == handle.telemetry._defer_steps == 16
+        assert handle.new_telemetry(engine="1")._defer_steps == 16
+    finally:
+        handle.shutdown()
+    r = rig(TelemetryConfig(model_name="tiny"))  # as DESIGN's API example builds it
+    r.telemetry.on_events(lifecycle("a", 10.0))
+    assert len(r.telemetry._pending) == 0
+    assert [s.attributes["gen_ai.request.id"] for s in r.span_exporter.get_finished_spans()] == ["a"]
