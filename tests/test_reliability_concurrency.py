@@ -103,21 +103,24 @@ def totals(data: Any) -> dict[tuple, tuple]:
     return out
 
 
-def build(two_engines: bool) -> tuple[MeterProvider, InMemoryMetricReader, CheckingExporter, list[EngineTelemetry]]:
-    config = TelemetryConfig(model_name="m", spans=False)
+def build(two_engines: bool, defer_steps: int = 1
+          ) -> tuple[MeterProvider, InMemoryMetricReader, CheckingExporter, list[EngineTelemetry]]:
+    config = TelemetryConfig(model_name="m", spans=False, defer_steps=defer_steps)
     reader = InMemoryMetricReader()
     exporter = CheckingExporter()
     periodic = PeriodicExportingMetricReader(exporter, export_interval_millis=5)
     provider = MeterProvider(metric_readers=[reader, periodic], views=otel_llm.views(config))
     first = EngineTelemetry(config, meter_provider=provider)
-    second = EngineTelemetry(TelemetryConfig(model_name="m", engine="1", spans=False), meter_provider=provider) \
+    second = EngineTelemetry(TelemetryConfig(model_name="m", engine="1", spans=False, defer_steps=defer_steps),
+                             meter_provider=provider) \
         if two_engines else first
     return provider, reader, exporter, [first, second]
 
 
+@pytest.mark.parametrize("defer_steps", [1, 16], ids=["each_batch", "deferred_16"])  # 16: readers apply kept batches
 @pytest.mark.parametrize("two_engines", [False, True], ids=["one_telemetry", "two_telemetries_one_provider"])
-def test_two_publishers_a_collector_and_an_exporter(two_engines):
-    provider, reader, exporter, telemetries = build(two_engines)
+def test_two_publishers_a_collector_and_an_exporter(two_engines, defer_steps):
+    provider, reader, exporter, telemetries = build(two_engines, defer_steps)
     work = [engine_batches("a"), engine_batches("b")]
     stop = threading.Event()
     problems: list[str] = []
