@@ -125,10 +125,10 @@ def receiver() -> Iterator[Receiver]:
     r.close()
 
 
-def _otlp_http_env(env, endpoint: str) -> None:
+def _otlp_env(env, endpoint: str, protocol: str = "http/protobuf") -> None:
     env.setenv("OTEL_METRICS_EXPORTER", "otlp")
     env.setenv("OTEL_TRACES_EXPORTER", "otlp")
-    env.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+    env.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", protocol)
     env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
     env.setenv("OTEL_METRIC_EXPORT_INTERVAL", "600000")
     env.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "3")
@@ -136,7 +136,7 @@ def _otlp_http_env(env, endpoint: str) -> None:
 
 def test_otlp_headers_from_the_standard_variable_reach_the_receiver(clean_env, receiver, caplog):
     caplog.set_level(logging.DEBUG)
-    _otlp_http_env(clean_env, f"http://127.0.0.1:{receiver.port}")
+    _otlp_env(clean_env, f"http://127.0.0.1:{receiver.port}")
     clean_env.setenv("OTEL_EXPORTER_OTLP_HEADERS", f"authorization=Bearer%20{SECRET},x-tenant=acme")
     handle = setup_telemetry(TelemetryConfig(model_name="m"))
     one_request(handle.telemetry)
@@ -175,7 +175,7 @@ def tls_receiver(self_signed) -> Iterator[Receiver]:
 
 
 def test_otlp_over_tls_with_the_certificate_variable(clean_env, tls_receiver, self_signed):
-    _otlp_http_env(clean_env, f"https://127.0.0.1:{tls_receiver.port}")
+    _otlp_env(clean_env, f"https://127.0.0.1:{tls_receiver.port}")
     clean_env.setenv("OTEL_EXPORTER_OTLP_CERTIFICATE", str(self_signed[0]))
     handle = setup_telemetry(TelemetryConfig(model_name="m"))
     one_request(handle.telemetry)
@@ -188,8 +188,7 @@ def test_otlp_over_tls_with_the_certificate_variable(clean_env, tls_receiver, se
 def test_otlp_grpc_over_tls_with_the_certificate_variable(clean_env, self_signed):
     with backend("otlp sink"), start_otlp_sink("grpc", tls=self_signed) as sink:
         assert sink.endpoint.startswith("https://127.0.0.1:")
-        _otlp_http_env(clean_env, sink.endpoint)
-        clean_env.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+        _otlp_env(clean_env, sink.endpoint, "grpc")
         clean_env.setenv("OTEL_EXPORTER_OTLP_CERTIFICATE", str(self_signed[0]))
         handle = setup_telemetry(TelemetryConfig(model_name="m"))
         one_request(handle.telemetry)
@@ -203,8 +202,7 @@ def test_otlp_grpc_over_tls_with_the_certificate_variable(clean_env, self_signed
 
 def test_otlp_grpc_over_tls_without_the_ca_fails_counted_not_raised(clean_env, self_signed):
     with backend("otlp sink"), start_otlp_sink("grpc", tls=self_signed) as sink:
-        _otlp_http_env(clean_env, sink.endpoint)
-        clean_env.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+        _otlp_env(clean_env, sink.endpoint, "grpc")
         handle = setup_telemetry(TelemetryConfig(model_name="m"))
         one_request(handle.telemetry)
         handle.force_flush(10_000)  # the handshake fails: logged by the SDK, counted by us, never raised
@@ -215,7 +213,7 @@ def test_otlp_grpc_over_tls_without_the_ca_fails_counted_not_raised(clean_env, s
 
 def test_otlp_over_tls_without_the_ca_fails_counted_not_raised(clean_env, tls_receiver, caplog):
     caplog.set_level(logging.DEBUG)
-    _otlp_http_env(clean_env, f"https://127.0.0.1:{tls_receiver.port}")
+    _otlp_env(clean_env, f"https://127.0.0.1:{tls_receiver.port}")
     clean_env.setenv("OTEL_EXPORTER_OTLP_HEADERS", f"authorization={SECRET}")
     handle = setup_telemetry(TelemetryConfig(model_name="m"))
     one_request(handle.telemetry)
