@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from otel_llm import tracker as t
 from otel_llm.config import TelemetryConfig
 from otel_llm.events import EventType, RequestEvent, StepStats
-from otel_llm.metrics import BY_KEY, METRICS, SYNC_HISTOGRAMS, base_attributes
+from otel_llm.metrics import BY_KEY, METRICS, base_attributes
 from otel_llm.tracker import RequestState, RequestSummary, Tracker
 
 
@@ -176,9 +176,8 @@ class PrometheusClientSubscriber:
         }
 
 
-_REQUEST_HISTOGRAMS = tuple(m.key for m in METRICS if m.kind == "histogram" and m.key not in SYNC_HISTOGRAMS
-                            and m.key not in ("time_to_first_token_seconds", "inter_token_latency_seconds",
-                                              "iteration_tokens_total"))
+_REQUEST_HISTOGRAMS = tuple(m.key for m in METRICS if m.kind == "histogram" and m.key not in (
+    "request_num_preemptions", "time_to_first_token_seconds", "inter_token_latency_seconds", "iteration_tokens_total"))
 
 
 # --------------------------------------------------------------------------- OTel subscribers

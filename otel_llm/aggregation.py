@@ -158,8 +158,8 @@ class _CellAggregation(_ExplicitBucketHistogramAggregation):
             if not any(delta):
                 return None
             return self._point(exemplars, start, collection_start_nano, delta, point_sum, window_min, window_max)
-        if not any(counts):
-            return None
+        # A series with no observation yet is exported at zero, as prometheus_client does
+        # (the metric hub yields only cells that have observations).
         return self._point(exemplars, self._start_time_unix_nano, collection_start_nano, counts, total, cmin, cmax)
 
     def _new_exemplars(self, cell: HistogramCell, seq: int) -> list[Exemplar]:

@@ -6,8 +6,8 @@ extra label, meaning); the README's metric table is kept in step with it by a te
 Two recorders implement the same small interface (what the telemetry observes):
 
 * :class:`FastMetrics` (default): counters are plain integers read by observable counters,
-  gauges read the last step, histograms are :class:`~otel_llm.aggregation.HistogramCell`s —
-  except ``request_num_preemptions``, which stays a synchronous SDK histogram (once per request).
+  gauges read the last step, histograms are :class:`~otel_llm.aggregation.HistogramCell`s
+  exported through explicit-bucket Views.
 * :class:`SdkMetrics`: the straightforward use of the SDK, one ``record``/``add`` per
   observation. It is the reference that tests compare the fast path with, the benchmark's
   "naive OTel" baseline, and the fallback on a MeterProvider built without our Views.
@@ -15,7 +15,6 @@ Two recorders implement the same small interface (what the telemetry observes):
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import threading
@@ -24,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 from opentelemetry.metrics import CallbackOptions, Meter, MeterProvider, Observation
-from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
+from opentelemetry.sdk.metrics.view import View
 
 from . import __version__, buckets
 from .aggregation import ExemplarIds, HistogramCell, InProcessHistogram
@@ -142,10 +141,6 @@ METRICS: tuple[MetricDef, ...] = (
               buckets=_const(buckets.ITERATION_TOKENS)),
 )
 BY_KEY = {m.key: m for m in METRICS}
-# Recorded through the SDK's synchronous histogram even on the fast path: once per request,
-# and the mission wants this one to be a plain SDK instrument with an explicit-bucket View.
-SYNC_HISTOGRAMS = frozenset({"request_num_preemptions"})
-RECORD_BATCH = 32  # records of SYNC_HISTOGRAMS flushed together on the engine thread (see _Hub)
 
 _LABEL_KEYS = {
     "vllm": {"model": "model_name", "engine": "engine", "finished_reason": "finished_reason", "reason": "reason"},
@@ -177,9 +172,7 @@ def views(config: Optional[TelemetryConfig] = None) -> list[View]:
         instrument = m.instrument_name(config.naming)
         rename = m.name(config.naming) if instrument != m.name(config.naming) else None
         if m.kind == "histogram":
-            bounds = m.boundaries(config)
-            aggregation = (ExplicitBucketHistogramAggregation(bounds) if m.key in SYNC_HISTOGRAMS
-                           else InProcessHistogram(bounds))
+            aggregation = InProcessHistogram(m.boundaries(config))
             out.append(View(instrument_name=instrument, meter_name=SCOPE, name=rename, aggregation=aggregation))
         elif rename:
             out.append(View(instrument_name=instrument, meter_name=SCOPE, name=rename))
@@ -233,6 +226,10 @@ class Recorder:
                  exemplar: Optional[ExemplarIds], ctx: Any) -> None: ...
     def step(self, stats: StepStats) -> None: ...
     def dropped(self, reason: str, n: int = 1) -> None: ...
+    def show_zero_series(self, finish_reasons: Iterable[str]) -> None:
+        """Export every series from now on, at zero until observed (as vLLM's logger does):
+        dashboards show 0 rather than no data, and ``increase()`` sees a series' first
+        observations. ``request_success`` gets one series per reason given."""
 
 
 # ---------------------------------------------------------------------------------------
@@ -254,12 +251,8 @@ class _Hub:
         self.lock = threading.Lock()
         self.recorders: "weakref.WeakSet[FastMetrics]" = weakref.WeakSet()
         self.cells: dict[tuple[str, tuple], HistogramCell] = {}
-        self.sync: dict[str, Any] = {}
-        # Records of the synchronous histogram(s), batched: one record costs ~8 us in a warm loop
-        # and ~50 us alone between two engine steps (cold caches). Flushed on the engine thread
-        # every RECORD_BATCH requests, and by every collection: the SDK runs the callbacks below
-        # before it reads its synchronous instruments, so a reader never misses a record.
-        self.pending: collections.deque[tuple[Any, int, dict[str, str], Any]] = collections.deque()
+        # Cells exported from their creation, at zero until observed (show_zero_series).
+        self.shown: set[int] = set()
         # Telemetries that keep event batches (TelemetryConfig.defer_steps): applied at collection.
         self.deferring: "weakref.WeakSet[Any]" = weakref.WeakSet()
         for m in METRICS:
@@ -268,8 +261,6 @@ class _Hub:
                 meter.create_observable_counter(name, [self._counter_callback(m.key)], m.unit, m.meaning)
             elif m.kind == "gauge":
                 meter.create_observable_gauge(name, [self._gauge_callback(m.key)], m.unit, m.meaning)
-            elif m.key in SYNC_HISTOGRAMS:
-                self.sync[m.key] = meter.create_histogram(name, m.unit, m.meaning)
             else:
                 meter.create_observable_counter(name, [self._histogram_callback(m.key)], m.unit, m.meaning)
 
@@ -282,22 +273,12 @@ class _Hub:
 
     def before_collect(self) -> None:
         """Run by every callback (the SDK runs them before it reads any instrument): pending event
-        batches applied, then pending records flushed. Never raises into the SDK's collection."""
+        batches applied. Never raises into the SDK's collection."""
         for telemetry in list(self.deferring):
             try:
                 telemetry.apply_pending()
             except Exception:  # noqa: BLE001
                 _log.warning("otel_llm: applying pending events at collection failed", exc_info=True)
-        self.flush()
-
-    def flush(self) -> None:
-        pending = self.pending
-        while pending:
-            try:
-                instrument, value, attributes, ctx = pending.popleft()
-            except IndexError:  # emptied by another thread (engine and reader both flush)
-                return
-            instrument.record(value, attributes, context=ctx)
 
     def _counter_callback(self, key: str) -> Callable[[CallbackOptions], Iterator[Observation]]:
         def callback(_: CallbackOptions) -> Iterator[Observation]:
@@ -325,7 +306,7 @@ class _Hub:
         def callback(_: CallbackOptions) -> Iterator[Observation]:
             self.before_collect()
             for (cell_key, _attrs), cell in list(self.cells.items()):
-                if cell_key == key and any(cell.counts):
+                if cell_key == key and (any(cell.counts) or id(cell) in self.shown):
                     yield cell.observation()
         return callback
 
@@ -383,7 +364,7 @@ class FastMetrics(Recorder):
         self.h_itl = cell("inter_token_latency_seconds")
         self.h_iteration = cell("iteration_tokens_total")
         self.request_cells = {k: cell(k) for k in _REQUEST_HISTOGRAMS}
-        self.h_preemptions = self.hub.sync["request_num_preemptions"]
+        self.h_preemptions = cell("request_num_preemptions")
         self.hub.recorders.add(self)
 
     def _cell(self, key: str) -> HistogramCell:
@@ -428,10 +409,7 @@ class FastMetrics(Recorder):
         cells = self.request_cells
         for key, value in values.items():
             cells[key].observe(value, exemplar)
-        pending = self.hub.pending
-        pending.append((self.h_preemptions, num_preemptions, self.attributes, ctx))
-        if len(pending) >= RECORD_BATCH:
-            self.hub.flush()
+        self.h_preemptions.observe(num_preemptions, exemplar)
 
     def step(self, stats: StepStats) -> None:
         gauges = self.gauges
@@ -444,8 +422,17 @@ class FastMetrics(Recorder):
     def dropped(self, reason: str, n: int = 1) -> None:
         self.drops[reason] = self.drops.get(reason, 0) + n
 
+    def show_zero_series(self, finish_reasons: Iterable[str]) -> None:
+        for reason in finish_reasons:
+            reason = self._limit_finish(reason)
+            self.by_finish.setdefault(reason, 0)
+        for key in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+            self.gauges.setdefault(key, 0)
+        cells = [self.h_ttft, self.h_itl, self.h_iteration, self.h_preemptions, *self.request_cells.values()]
+        self.hub.shown.update(id(c) for c in cells)
 
-# Per-request histograms recorded at finish, by metric key (request_num_preemptions apart).
+
+# Per-request histograms recorded at finish, by metric key (request_num_preemptions apart: an int).
 _REQUEST_HISTOGRAMS = (
     "e2e_request_latency_seconds", "request_time_per_output_token_seconds", "request_queue_time_seconds",
     "request_prefill_time_seconds", "request_decode_time_seconds", "request_inference_time_seconds",
@@ -517,3 +504,8 @@ class SdkMetrics(Recorder):
 
     def dropped(self, reason: str, n: int = 1) -> None:
         self.i["dropped_events"].add(n, {**self.attributes, "reason": reason})
+
+    def show_zero_series(self, finish_reasons: Iterable[str]) -> None:
+        # An SDK histogram has no point before its first record: only the counter's series.
+        for reason in finish_reasons:
+            self.i["request_success"].add(0, {**self.attributes, self._finish_key: self._limit_finish(reason)})

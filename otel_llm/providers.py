@@ -21,6 +21,7 @@ from opentelemetry.sdk.metrics._internal.exemplar import (
     TraceBasedExemplarFilter,
 )
 from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, MetricReader, PeriodicExportingMetricReader
+from opentelemetry.sdk.metrics.view import View
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
@@ -53,6 +54,7 @@ class TelemetryHandle:
     prometheus: Any = None  # otel_llm.prometheus.PrometheusEndpoint when serving /metrics
     engines: list[EngineTelemetry] = field(default_factory=list)
     accounting: Optional["ExportAccounting"] = None  # what the exporters lost (and delivered)
+    extra_views: tuple[View, ...] = ()  # Views given to setup_telemetry beside otel_llm.views(config)
     _closed: bool = False
 
     @property
@@ -101,8 +103,12 @@ class TelemetryHandle:
 def setup_telemetry(config: Optional[TelemetryConfig] = None, *,
                     extra_metric_readers: Sequence[MetricReader] = (),
                     extra_span_processors: Sequence[SpanProcessor] = (),
+                    extra_views: Sequence[View] = (),
                     environ: Optional[Mapping[str, str]] = None) -> TelemetryHandle:
     """Build providers, readers and exporters, and the engine's :class:`EngineTelemetry`.
+
+    ``extra_views``: Views for instruments of your own on the same MeterProvider (the vLLM
+    plugin's :class:`~otel_llm.integrations.vllm_series.VllmSeries` passes its own).
 
     Settings left ``None`` in ``config`` come from the standard ``OTEL_*`` variables.
     Raises ValueError (bad settings) or OSError (Prometheus port taken) at once.
@@ -114,7 +120,7 @@ def setup_telemetry(config: Optional[TelemetryConfig] = None, *,
     if config.sdk_disabled:
         telemetry = EngineTelemetry(config, meter_provider=NoOpMeterProvider(),
                                     tracer_provider=trace.NoOpTracerProvider(), fast_path=False)
-        return TelemetryHandle(config, telemetry, None, None, engines=[telemetry])
+        return TelemetryHandle(config, telemetry, None, None, engines=[telemetry], extra_views=tuple(extra_views))
 
     resource = _resource(config)
     metrics_exporters = config.metrics_exporters or (("prometheus",) if config.prometheus_port is not None
@@ -150,7 +156,7 @@ def setup_telemetry(config: Optional[TelemetryConfig] = None, *,
     readers.extend(extra_metric_readers)
 
     filter_name = config.exemplar_filter or "trace_based"
-    meter_provider = MeterProvider(metric_readers=readers, resource=resource, views=views(config),
+    meter_provider = MeterProvider(metric_readers=readers, resource=resource, views=views(config) + list(extra_views),
                                    exemplar_filter=_EXEMPLAR_FILTERS[filter_name]())
     tracer_provider = TracerProvider(resource=resource)
     if "otlp" in traces_exporters:
@@ -166,7 +172,7 @@ def setup_telemetry(config: Optional[TelemetryConfig] = None, *,
     _log.info("otel_llm telemetry: metrics=%s traces=%s prometheus=%s settings=%s", metrics_exporters,
               traces_exporters, prometheus.url if prometheus else None, config.redacted())
     return TelemetryHandle(config, telemetry, meter_provider, tracer_provider, prometheus, engines=[telemetry],
-                           accounting=accounting)
+                           accounting=accounting, extra_views=tuple(extra_views))
 
 
 def _resource(config: TelemetryConfig) -> Resource:

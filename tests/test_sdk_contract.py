@@ -60,33 +60,28 @@ def test_cell_observation_binds_through_context():
     assert isinstance(InProcessHistogram((1.0,)), sdk_aggregation.Aggregation)
 
 
-def _preemption_counts(reader) -> list[int]:
+def _preemption_points(reader) -> list[tuple[int, tuple, tuple]]:
     data = reader.get_metrics_data()
-    return [p.count for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
-            if m.name == "vllm:request_num_preemptions" for p in m.data.data_points]
+    return [(p.count, tuple(p.explicit_bounds), tuple(p.bucket_counts)) for rm in data.resource_metrics
+            for sm in rm.scope_metrics for m in sm.metrics if m.name == "vllm:request_num_preemptions"
+            for p in m.data.data_points]
 
 
-def test_batched_records_reach_every_reader_at_its_collection_and_stay_bounded():
-    """metrics._Hub batches request_num_preemptions records; a collection flushes them first,
-    which relies on the SDK running observable callbacks before it reads synchronous instruments."""
+def test_request_num_preemptions_reaches_every_reader_with_its_explicit_positive_buckets():
+    """The in-process cell behind request_num_preemptions is read by every reader of the
+    provider, through the explicit-bucket View (the configured boundaries, no others)."""
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
     from otel_llm import EngineTelemetry
-    from otel_llm.metrics import RECORD_BATCH
     from tests.otel_helpers import lifecycle
 
-    config = TelemetryConfig(model_name="tiny", defer_steps=1)  # events applied at once: records pending
+    config = TelemetryConfig(model_name="tiny", defer_steps=1)
     first, second = InMemoryMetricReader(), InMemoryMetricReader()
     telemetry = EngineTelemetry(config, meter_provider=MeterProvider(metric_readers=[first, second],
                                                                      views=views(config)))
-    hub = telemetry.metrics.hub
     for i in range(3):
-        telemetry.on_events(lifecycle(f"r{i}", 10.0 + i))
-    assert len(hub.pending) == 3  # fewer than a batch: still pending
-    assert _preemption_counts(first) == [3]  # this collection flushed them
-    assert _preemption_counts(second) == [3]  # recorded into every reader's storage
-    for i in range(3, 3 + 5 * RECORD_BATCH):  # nobody collects: flushed by the engine, bounded
-        telemetry.on_events(lifecycle(f"r{i}", 10.0 + i))
-        assert len(hub.pending) < RECORD_BATCH
-    assert _preemption_counts(first) == _preemption_counts(second) == [3 + 5 * RECORD_BATCH]
+        telemetry.on_events(lifecycle(f"r{i}", 10.0 + i, preemptions=i))
+    expected = [(3, (0.5, 1.0, 2.0, 3.0, 4.0, 5.0, 10.0, 20.0), (1, 1, 1, 0, 0, 0, 0, 0, 0))]
+    assert _preemption_points(first) == expected
+    assert _preemption_points(second) == expected

@@ -27,7 +27,7 @@ import math
 import os
 import threading
 import time
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 _log = logging.getLogger(__name__)
 
@@ -140,13 +140,13 @@ def reset() -> None:
             _log.exception("otel-llm: shutting down the telemetry failed")
 
 
-def _get_handle(config: Any) -> Any:
+def _get_handle(config: Any, extra_views: Sequence[Any]) -> Any:
     global _handle, _handle_owned
     with _handle_lock:
         if _handle is None:
             from otel_llm import setup_telemetry
 
-            _handle, _handle_owned = setup_telemetry(config), True
+            _handle, _handle_owned = setup_telemetry(config, extra_views=extra_views), True
         return _handle
 
 
@@ -176,16 +176,23 @@ class _Impl:
 
         self.reader = FieldReader()
         self.vllm_config = vllm_config
+        engine_indexes = list(engine_indexes)
         served, max_len = self._from_vllm_config(vllm_config)
         env_model = os.environ.get("OTEL_LLM_MODEL_NAME", "").strip()
         handle = handle if handle is not None else _handle
+        own_config = None
         if handle is None:
             overrides: dict[str, Any] = {}
             if not env_model and served:
                 overrides["model_name"] = served
             if not os.environ.get("OTEL_LLM_MAX_MODEL_LEN", "").strip() and max_len:
                 overrides["max_model_len"] = max_len  # vLLM's 1-2-5 token buckets stop there
-            handle = _get_handle(otel_llm.TelemetryConfig.from_env(**overrides))
+            own_config = otel_llm.TelemetryConfig.from_env(**overrides)
+        # vLLM's series that the core telemetry does not reproduce: built before the providers,
+        # which need their Views.
+        self.series = _series(vllm_config, engine_indexes, (own_config or handle.config).naming)
+        if handle is None:
+            handle = _get_handle(own_config, self.series.views() if self.series is not None else ())
         self.handle = handle
         base = handle.config
         # The model label: OTEL_LLM_MODEL_NAME, else a name the handle's owner chose, else vLLM's.
@@ -199,12 +206,28 @@ class _Impl:
         self.telemetry: dict[int, Any] = {}
         for idx in engine_indexes:
             self._engine(idx)
+        if self.series is not None:
+            self._bind_series()
         self._last_sched: dict[int, tuple[int, int, float]] = {}
         self._deep_hook = None
         from . import vllm_deep_hook
 
         if vllm_deep_hook.enabled() and vllm_deep_hook.install():
             self._deep_hook = vllm_deep_hook
+
+    def _bind_series(self) -> None:
+        from .vllm_series import SeriesView
+
+        provider = self.handle.meter_provider
+        if provider is None:  # OTEL_SDK_DISABLED
+            self.series = None
+            return
+        have = {v.series_name for v in getattr(self.handle, "extra_views", ()) if isinstance(v, SeriesView)}
+        left_out = self.series.bind(provider, have.__contains__)  # type: ignore[union-attr]
+        if left_out:
+            _log.warning("otel-llm vLLM adapter: %d of vLLM's series are not exported, their Views are not on the "
+                         "MeterProvider (build it with setup_telemetry(config, extra_views=VllmSeries(vllm_config, "
+                         "engine_indexes).views())): %s", len(left_out), ", ".join(sorted(left_out)))
 
     def _from_vllm_config(self, vllm_config: Any) -> tuple[Optional[str], Optional[int]]:
         model_config = getattr(vllm_config, "model_config", None)
@@ -237,13 +260,15 @@ class _Impl:
                 tel = otel_llm.EngineTelemetry(dataclasses.replace(self.config, engine=engine),
                                                meter_provider=handle.meter_provider,
                                                tracer_provider=handle.tracer_provider)
+            tel.metrics.show_zero_series(_finish_reasons())  # as vLLM's logger creates its series
             self.telemetry[idx] = tel
         return tel
 
     # -- record ---------------------------------------------------------------------
 
-    def record(self, scheduler_stats: Any, iteration_stats: Any, engine_idx: int) -> None:
+    def record(self, scheduler_stats: Any, iteration_stats: Any, engine_idx: int, mm_cache_stats: Any = None) -> None:
         idx = engine_idx if isinstance(engine_idx, int) else 0
+        self.call_series("record", scheduler_stats, iteration_stats, mm_cache_stats=mm_cache_stats, engine_idx=idx)
         tel = self._engine(idx)
         if tel is None:
             return
@@ -252,6 +277,17 @@ class _Impl:
             self._record_iteration(tel, iteration_stats, offset)
         if scheduler_stats is not None or iteration_stats is not None:
             self._record_step(tel, idx, scheduler_stats, iteration_stats, offset)
+
+    def call_series(self, method: str, *args: Any, **kwargs: Any) -> None:
+        """One of vLLM's own logger methods on :class:`VllmSeries`; a failure is reported once
+        and leaves the core telemetry untouched."""
+        if self.series is None:
+            return
+        try:
+            getattr(self.series.logger, method)(*args, **kwargs)
+        except Exception as exc:
+            self.reader.warn_once("PrometheusStatLogger", method, f"failed ({exc!r}): vLLM's other series "
+                                  "may be incomplete")
 
     def _record_step(self, tel: Any, idx: int, sched: Any, it: Any, offset: float) -> None:
         from otel_llm.events import StepStats
@@ -394,6 +430,27 @@ def _summary_class() -> type:
     return _summary_cls[0]
 
 
+def _finish_reasons() -> tuple[str, ...]:
+    """vLLM's finish reasons as its logger labels them (one ``request_success`` series each)."""
+    try:
+        from vllm.v1.engine import FinishReason
+
+        return tuple(str(reason) for reason in FinishReason)
+    except Exception:  # a vLLM without it: the reasons every vLLM has
+        return ("stop", "length", "abort", "error")
+
+
+def _series(vllm_config: Any, engine_indexes: list[int], naming: str) -> Any:
+    try:
+        from .vllm_series import VllmSeries
+
+        return VllmSeries(vllm_config, engine_indexes, naming)
+    except Exception as exc:
+        _log.warning("otel-llm vLLM adapter: vLLM's series beyond the core metrics are not recorded, their "
+                     "logger could not be built (%r)", exc)
+        return None
+
+
 def _int(value: Any) -> Optional[int]:
     if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
@@ -450,11 +507,12 @@ def _make_logger_class() -> type:
         def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
                    engine_idx: int = 0, *args: Any, **kwargs: Any) -> None:
             if self._impl is not None:
-                self._impl.record(scheduler_stats, iteration_stats, engine_idx)
+                self._impl.record(scheduler_stats, iteration_stats, engine_idx, mm_cache_stats)
 
         @_guard
         def log_engine_initialized(self) -> None:
             if self._impl is not None:
+                self._impl.call_series("log_engine_initialized")
                 _log.info("otel-llm: recording vLLM stats for model %r, engines %s (deep hook %s)",
                           self._impl.config.model_name, self.engine_indexes,
                           "on" if self._impl._deep_hook is not None else "off")
@@ -465,11 +523,13 @@ def _make_logger_class() -> type:
 
         @_guard
         def record_sleep_state(self, *args: Any, **kwargs: Any) -> None:
-            pass
+            if self._impl is not None:
+                self._impl.call_series("record_sleep_state", *args, **kwargs)
 
         @_guard
         def record_admission_rejection(self, reason: str) -> None:
-            pass
+            if self._impl is not None:
+                self._impl.call_series("record_admission_rejection", reason)
 
         @property
         def telemetry(self) -> dict[int, Any]:
