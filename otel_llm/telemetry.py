@@ -172,13 +172,14 @@ class EngineTelemetry:
 
     # -- for adapters whose engine hands over derived stats (vLLM) -----------------------
 
-    def record_finished(self, summary: RequestSummary) -> None:
-        """Per-request histograms, ``request_success`` and one span, from a finished request."""
+    def record_finished(self, summary: RequestSummary, trace_context: Optional[Any] = None) -> None:
+        """Per-request histograms, ``request_success`` and one span, from a finished request;
+        ``trace_context``: the caller's W3C carrier (``traceparent``), parent of the span."""
         try:
             with self._lock:
                 req = RequestState(summary.request_id, summary.arrival_time, summary.prompt_tokens,
                                    summary.max_tokens, summary.cached_tokens)
-                self._start_span(req, None, {})
+                self._start_span(req, trace_context, {})
                 if req.span is not None:
                     for ordinal, (ts, tokens, reason) in enumerate(summary.preemptions, 1):
                         self.spans.event(req.span, "preempted", ts, {  # type: ignore[union-attr]

@@ -348,7 +348,8 @@ class _Impl:
         for f in list(finished):
             summary = self._summary(f, finish_time, offset)
             if summary is not None:
-                tel.record_finished(summary)
+                deep = self._deep_hook.trace_of(f) if self._deep_hook is not None else None
+                tel.record_finished(summary, deep.carrier if deep is not None else None)
 
     def _summary(self, f: Any, finish_time: float, offset: float) -> Any:
         r = self.reader

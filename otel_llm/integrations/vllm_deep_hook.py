@@ -13,6 +13,12 @@ methods of vLLM's ``IterationStats`` (an internal class, not a stable interface)
   (:mod:`otel_llm.integrations.vllm`) finds it: one ``preempted`` span event at each real
   PREEMPTED timestamp, the exact preempted time, the real arrival time and TTFT of the request.
 
+It also keeps the caller's W3C trace context, which vLLM drops unless its own tracing is on
+(``AsyncLLM.add_request`` discards ``trace_headers`` without ``--otlp-traces-endpoint``): a
+wrapper of ``AsyncLLM.add_request`` holds the headers in a context variable while vLLM builds
+the request, and a wrapper of ``OutputProcessor.add_request`` (called in the same task) stores
+them in the request's trace, so that the request span is a child of the caller's span.
+
 Guards: the vLLM version must be in the accepted range (``>= 0.10, < 0.34``; tested on 0.33.0;
 ``=force`` skips the version check) and both targets must have the expected parameters. When it cannot attach, it
 says so once (a warning) and the plugin falls back to metrics plus one span per finished
@@ -22,6 +28,7 @@ request with the exact preemption count. Loaded in every vLLM process through th
 
 from __future__ import annotations
 
+import contextvars
 import inspect
 import logging
 import os
@@ -38,7 +45,10 @@ _MARK = "__otel_llm_deep_hook__"
 QUEUED, SCHEDULED, PREEMPTED = 1, 2, 3
 
 _lock = threading.Lock()
-_state: dict[str, Any] = {"installed": False, "failed": None, "originals": None}
+_state: dict[str, Any] = {"installed": False, "failed": None, "originals": []}
+# The trace headers of the request being added, from AsyncLLM.add_request to OutputProcessor.add_request.
+_adding_headers: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("otel_llm_trace_headers",
+                                                                                 default=None)
 
 
 def enabled(environ: Optional[dict] = None) -> bool:
@@ -62,12 +72,13 @@ def register() -> None:
 class RequestTrace:
     """What the hook saw of one request: its engine-core events, arrival time and TTFT."""
 
-    __slots__ = ("events", "arrival_time", "first_token_latency")
+    __slots__ = ("events", "arrival_time", "first_token_latency", "carrier")
 
     def __init__(self) -> None:
         self.events: list[tuple[int, float]] = []  # (EngineCoreEventType value, monotonic ts)
         self.arrival_time: Optional[float] = None  # wall clock (vLLM frontend)
         self.first_token_latency: Optional[float] = None
+        self.carrier: Optional[dict] = None  # the caller's traceparent / tracestate
 
     @property
     def preempted_at(self) -> tuple[float, ...]:
@@ -216,27 +227,80 @@ def _install() -> Optional[str]:
             warn_once("attaching the trace to FinishedRequestStats", exc)
         return result
 
-    for wrapper, orig in ((update_from_events, orig_events), (update_from_finished_request, orig_finished)):
-        wrapper.__name__ = orig.__name__
-        wrapper.__qualname__ = orig.__qualname__
-        wrapper.__doc__ = orig.__doc__
-        setattr(wrapper, _MARK, True)
-        setattr(wrapper, "__wrapped__", orig)
-    _state["originals"] = (cls, orig_events, orig_finished)
-    cls.update_from_events = update_from_events
-    cls.update_from_finished_request = update_from_finished_request
+    _wrap(cls, "update_from_events", update_from_events)
+    _wrap(cls, "update_from_finished_request", update_from_finished_request)
+    problem = _install_trace_context_capture(warn_once)
+    if problem:
+        _log.warning("otel-llm deep hook: the caller's trace context is not kept (%s); request spans are roots "
+                     "unless vLLM's own tracing is on", problem)
+    return None
+
+
+def _wrap(owner: type, name: str, wrapper: Callable) -> None:
+    original = getattr(owner, name)
+    wrapper.__name__ = original.__name__
+    wrapper.__qualname__ = original.__qualname__
+    wrapper.__doc__ = original.__doc__
+    setattr(wrapper, _MARK, True)
+    setattr(wrapper, "__wrapped__", original)
+    _state["originals"].append((owner, name, original))
+    setattr(owner, name, wrapper)
+
+
+def _install_trace_context_capture(warn_once: Callable[[str, BaseException], None]) -> Optional[str]:
+    """Keep the trace headers that AsyncLLM.add_request receives on the request's trace."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.engine.output_processor import OutputProcessor
+
+    add = AsyncLLM.add_request
+    signature = inspect.signature(add)
+    if "trace_headers" not in signature.parameters or not inspect.iscoroutinefunction(add):
+        return f"AsyncLLM.add_request has parameters {list(signature.parameters)}"
+    if _params(OutputProcessor.add_request)[:2] != ["self", "request"]:
+        return f"OutputProcessor.add_request has parameters {_params(OutputProcessor.add_request)}"
+
+    async def add_request(self: Any, *args: Any, **kwargs: Any) -> Any:
+        headers = None
+        try:
+            headers = signature.bind(self, *args, **kwargs).arguments.get("trace_headers")
+        except Exception as exc:
+            warn_once("reading the trace headers", exc)
+        token = _adding_headers.set(dict(headers) if headers else None)
+        try:
+            return await add(self, *args, **kwargs)
+        finally:
+            _adding_headers.reset(token)
+
+    processor_add = OutputProcessor.add_request
+
+    def add_to_processor(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        result = processor_add(self, request, *args, **kwargs)
+        try:
+            headers = _adding_headers.get()
+            if headers:
+                req_state = self.request_states.get(request.request_id)
+                req_stats = getattr(req_state, "stats", None)
+                if req_stats is not None:
+                    trace = getattr(req_stats, TRACE_ATTR, None)
+                    if trace is None:
+                        trace = RequestTrace()
+                        setattr(req_stats, TRACE_ATTR, trace)
+                    trace.carrier = headers
+        except Exception as exc:
+            warn_once("keeping the trace headers", exc)
+        return result
+
+    _wrap(AsyncLLM, "add_request", add_request)
+    _wrap(OutputProcessor, "add_request", add_to_processor)
     return None
 
 
 def uninstall() -> None:
     """Restore vLLM's methods and forget a failed attempt (tests)."""
     with _lock:
-        originals = _state["originals"]
-        if originals is not None:
-            cls, orig_events, orig_finished = originals
-            cls.update_from_events = orig_events
-            cls.update_from_finished_request = orig_finished
-        _state.update(installed=False, failed=None, originals=None)
+        for owner, name, original in reversed(_state["originals"]):
+            setattr(owner, name, original)
+        _state.update(installed=False, failed=None, originals=[])
 
 
 def is_installed() -> bool:
