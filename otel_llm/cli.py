@@ -13,7 +13,8 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Sequence
 
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
@@ -40,29 +41,38 @@ class RequestTraces(SpanProcessor):
 
 
 class Progress:
-    """A one-line progress bar on stderr, redrawn at most ten times a second."""
+    """A one-line progress bar on stderr, redrawn at most ten times a second. With ``line_every``
+    and a stream that is not a terminal, a full line every ``line_every`` seconds instead."""
 
-    def __init__(self, total: int, stream: Any = sys.stderr) -> None:
+    def __init__(self, total: int, stream: Any = sys.stderr, line_every: Optional[float] = None) -> None:
         self.total = total
         self.stream = stream
+        self.redraw = line_every is None or stream.isatty()
+        self.interval = 0.1 if self.redraw else float(line_every)  # type: ignore[arg-type]
         self._last = 0.0
 
     def __call__(self, engine: Any, finished: int) -> None:
+        self.show(finished, engine.num_running, engine.num_waiting, engine.kv_cache.usage,
+                  engine.scheduler.num_preemptions)
+
+    def show(self, finished: int, running: int, waiting: int, kv_usage: float, preemptions: int) -> None:
         now = time.monotonic()
-        if now - self._last < 0.1 and finished < self.total:
+        if now - self._last < self.interval and finished < self.total:
             return
         self._last = now
         filled = BAR_WIDTH * finished // max(self.total, 1)
-        self.stream.write(
-            f"\r[{'#' * filled}{'.' * (BAR_WIDTH - filled)}] {finished}/{self.total} finished"
-            f" | running {engine.num_running:3d} waiting {engine.num_waiting:3d}"
-            f" | KV {engine.kv_cache.usage:4.0%} | preemptions {engine.scheduler.num_preemptions}"
+        line = (
+            f"[{'#' * filled}{'.' * (BAR_WIDTH - filled)}] {finished}/{self.total} finished"
+            f" | running {running:3d} waiting {waiting:3d}"
+            f" | KV {kv_usage:4.0%} | preemptions {preemptions}"
         )
+        self.stream.write(f"\r{line}" if self.redraw else f"{line}\n")
         self.stream.flush()
 
     def close(self) -> None:
-        self.stream.write("\n")
-        self.stream.flush()
+        if self.redraw:
+            self.stream.write("\n")
+            self.stream.flush()
 
 
 def bucket_labels(bounds: Sequence[float]) -> list[str]:
@@ -198,6 +208,53 @@ def demo(args: argparse.Namespace) -> int:
     return 0
 
 
+@dataclass
+class PreemptionHistogram:
+    """``request_num_preemptions`` as the summary shows it: per-bucket (not cumulative) counts."""
+
+    bounds: list[float]
+    counts: list[int]
+    count: int
+    sum: float
+
+    @classmethod
+    def from_point(cls, point: Any) -> "PreemptionHistogram":
+        return cls(list(point.explicit_bounds), list(point.bucket_counts), point.count, point.sum)
+
+    @classmethod
+    def from_scrape(cls, samples: Mapping[tuple[str, frozenset], float], name: str) -> "PreemptionHistogram":
+        """From a scrape of one series (``{(sample name, labels): value}``); its buckets are cumulative."""
+        cumulative = sorted(
+            (float(dict(labels)["le"]), value) for (sample, labels), value in samples.items() if sample == f"{name}_bucket"
+        )
+        [count] = [v for (sample, _), v in samples.items() if sample == f"{name}_count"]
+        [total] = [v for (sample, _), v in samples.items() if sample == f"{name}_sum"]
+        counts = [int(c - below) for (_, c), below in zip(cumulative, [0.0] + [c for _, c in cumulative])]
+        return cls([le for le, _ in cumulative if math.isfinite(le)], counts, int(count), total)
+
+
+def print_fields(rows: Sequence[tuple[str, object]]) -> None:
+    for key, value in rows:
+        print(f"{key:<15}{value}")
+
+
+def print_chart(histogram_name: str, histogram: PreemptionHistogram) -> list[str]:
+    """Prints the bar chart of requests per preemption count; returns its labels."""
+    labels = bucket_labels(histogram.bounds)
+    print(f"requests per preemption count ({histogram_name})")
+    for line in bar_chart(labels, histogram.counts):
+        print(line)
+    return labels
+
+
+def print_worst(by_request: Mapping[str, tuple[int, str]], top: int) -> None:
+    """The ``top`` requests with the most preemptions: ``by_request`` maps id to (count, trace id)."""
+    worst = sorted(by_request.items(), key=lambda kv: (-kv[1][0], kv[0]))[:top]
+    print("worst requests")
+    for request_id, (count, trace_id) in worst:
+        print(f"  {request_id}  {count:3d} preemptions  trace_id {trace_id}")
+
+
 def print_summary(
     args: argparse.Namespace,
     config: TelemetryConfig,
@@ -207,11 +264,9 @@ def print_summary(
     traces: RequestTraces,
 ) -> None:
     histogram_name = BY_KEY["request_num_preemptions"].name(config.naming)
-    point = _histogram_point(reader, histogram_name)
-    labels = bucket_labels(point.explicit_bounds)
-    counts = list(point.bucket_counts)
+    histogram = PreemptionHistogram.from_point(_histogram_point(reader, histogram_name))
     ground_truth = [o.num_preemptions for o in result.outputs]
-    agrees = sorted(ground_truth) == sorted(c for c, _ in traces.by_request.values()) and point.sum == sum(
+    agrees = sorted(ground_truth) == sorted(c for c, _ in traces.by_request.values()) and histogram.sum == sum(
         ground_truth
     )
     c = engine.config
@@ -219,24 +274,21 @@ def print_summary(
         f"otel-llm demo: engine_stub, {c.num_kv_blocks} KV blocks x {c.block_size} tokens, "
         f"max {c.max_num_seqs} seqs, {c.max_num_batched_tokens} tokens/step, seed {c.seed}"
     )
-    print(f"requests       {point.count}")
-    print(f"output tokens  {result.num_output_tokens}")
-    print(f"wall time      {result.elapsed:.1f} s")
-    print(f"tokens/s       {result.tokens_per_second:.0f}")
-    print(f"preemptions    {int(point.sum)}")
-    print(f"thrashing      {sum(n >= THRASHING for n in ground_truth)} requests with {THRASHING}+ preemptions")
-    print(f"ground truth   {'telemetry equals the engine' if agrees else 'MISMATCH with the engine'}")
+    print_fields([
+        ("requests", histogram.count),
+        ("output tokens", result.num_output_tokens),
+        ("wall time", f"{result.elapsed:.1f} s"),
+        ("tokens/s", f"{result.tokens_per_second:.0f}"),
+        ("preemptions", int(histogram.sum)),
+        ("thrashing", f"{sum(n >= THRASHING for n in ground_truth)} requests with {THRASHING}+ preemptions"),
+        ("ground truth", "telemetry equals the engine" if agrees else "MISMATCH with the engine"),
+    ])
     print()
-    print(f"requests per preemption count ({histogram_name})")
-    for line in bar_chart(labels, counts):
-        print(line)
+    labels = print_chart(histogram_name, histogram)
     print()
-    worst = sorted(traces.by_request.items(), key=lambda kv: (-kv[1][0], kv[0]))[: args.top]
-    print("worst requests")
-    for request_id, (count, trace_id) in worst:
-        print(f"  {request_id}  {count:3d} preemptions  trace_id {trace_id}")
+    print_worst(traces.by_request, args.top)
     if args.plot:
-        write_plot(args.plot, labels, counts, f"{histogram_name} ({point.count} requests)")
+        write_plot(args.plot, labels, histogram.counts, f"{histogram_name} ({histogram.count} requests)")
         print(f"\nchart written to {args.plot}")
     print(flush=True)
 
