@@ -172,9 +172,11 @@ class EngineTelemetry:
 
     # -- for adapters whose engine hands over derived stats (vLLM) -----------------------
 
-    def record_finished(self, summary: RequestSummary, trace_context: Optional[Any] = None) -> None:
+    def record_finished(self, summary: RequestSummary, trace_context: Optional[Any] = None,
+                        metrics: bool = True) -> None:
         """Per-request histograms, ``request_success`` and one span, from a finished request;
-        ``trace_context``: the caller's W3C carrier (``traceparent``), parent of the span."""
+        ``trace_context``: the caller's W3C carrier (``traceparent``), parent of the span;
+        ``metrics=False``: the span only (a request the engine's own metrics do not count)."""
         try:
             with self._lock:
                 req = RequestState(summary.request_id, summary.arrival_time, summary.prompt_tokens,
@@ -184,7 +186,7 @@ class EngineTelemetry:
                     for ordinal, (ts, tokens, reason) in enumerate(summary.preemptions, 1):
                         self.spans.event(req.span, "preempted", ts, {  # type: ignore[union-attr]
                             "ordinal": ordinal, "num_computed_tokens": tokens, "reason": reason})
-                self._finish(req, summary, None)
+                self._finish(req, summary, None, metrics)
         except Exception:  # noqa: BLE001
             self._internal_error(summary)
 
@@ -276,9 +278,11 @@ class EngineTelemetry:
         req.span = self.spans.start(req.request_id, req.arrival, carrier, attributes)
         req.exemplar, req.ctx = self.spans.exemplar(req.span)
 
-    def _finish(self, req: RequestState, summary: RequestSummary, extra: Optional[dict[str, Any]]) -> None:
-        self.metrics.finished(summary.histogram_values(), summary.finish_reason, summary.num_preemptions,
-                              req.exemplar, req.ctx)
+    def _finish(self, req: RequestState, summary: RequestSummary, extra: Optional[dict[str, Any]],
+                metrics: bool = True) -> None:
+        if metrics:
+            self.metrics.finished(summary.histogram_values(), summary.finish_reason, summary.num_preemptions,
+                                  req.exemplar, req.ctx)
         if req.span is not None:
             self.spans.end(req.span, summary, extra)  # type: ignore[union-attr]
 

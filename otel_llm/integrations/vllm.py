@@ -273,10 +273,32 @@ class _Impl:
         if tel is None:
             return
         offset = time.time() - time.monotonic()
+        self.record_aborted()
         if iteration_stats is not None:
             self._record_iteration(tel, iteration_stats, offset)
         if scheduler_stats is not None or iteration_stats is not None:
             self._record_step(tel, idx, scheduler_stats, iteration_stats, offset)
+
+    def record_aborted(self) -> None:
+        """A span for each request the deep hook saw aborted; no metric: vLLM counts none."""
+        hook = self._deep_hook
+        if hook is None or not hook.aborted:
+            return
+        tel = self._engine(min(self.telemetry, default=0))
+        offset = time.time() - time.monotonic()
+        while hook.aborted:
+            try:
+                a = hook.aborted.popleft()
+            except IndexError:  # drained by another thread
+                return
+            finish = a.abort_time - offset
+            preemptions = tuple((ts, 0, DEFAULT_PREEMPTION_REASON) for ts in a.trace.preempted_at)
+            summary = _summary_class()(
+                request_id=a.request_id, finish_reason="abort", arrival_time=a.arrival_time - offset,
+                finish_time=finish, prompt_tokens=a.prompt_tokens, generation_tokens=a.generation_tokens,
+                max_tokens=a.max_tokens, num_preemptions=len(preemptions),
+                preempted_time=a.trace.preempted_time(finish), preemptions=preemptions)
+            tel.record_finished(summary, a.trace.carrier, metrics=False)
 
     def call_series(self, method: str, *args: Any, **kwargs: Any) -> None:
         """One of vLLM's own logger methods on :class:`VllmSeries`; a failure is reported once
@@ -520,7 +542,10 @@ def _make_logger_class() -> type:
 
         @_guard
         def log(self) -> None:
-            pass  # metrics are pulled by readers / pushed by the periodic exporter
+            # Metrics are pulled by readers / pushed by the periodic exporter; vLLM calls this
+            # every few seconds, also when no request runs: spans of aborted requests go out.
+            if self._impl is not None:
+                self._impl.record_aborted()
 
         @_guard
         def record_sleep_state(self, *args: Any, **kwargs: Any) -> None:

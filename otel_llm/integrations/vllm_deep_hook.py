@@ -19,6 +19,11 @@ wrapper of ``AsyncLLM.add_request`` holds the headers in a context variable whil
 the request, and a wrapper of ``OutputProcessor.add_request`` (called in the same task) stores
 them in the request's trace, so that the request span is a child of the caller's span.
 
+And it sees aborted requests (a client that disconnects), which vLLM never hands to its stat
+loggers nor counts in ``request_success``: a wrapper of ``OutputProcessor.abort_requests``
+queues what it knew of each (:class:`AbortedRequest`, at most :data:`MAX_ABORTED` waiting), and
+the stat logger gives each a span with finish reason ``abort``, leaving the metrics as vLLM's.
+
 Guards: the vLLM version must be in the accepted range (``>= 0.10, < 0.34``; tested on 0.33.0;
 ``=force`` skips the version check) and both targets must have the expected parameters. When it cannot attach, it
 says so once (a warning) and the plugin falls back to metrics plus one span per finished
@@ -28,11 +33,13 @@ request with the exact preemption count. Loaded in every vLLM process through th
 
 from __future__ import annotations
 
+import collections
 import contextvars
 import inspect
 import logging
 import os
 import threading
+import time
 from typing import Any, Callable, Optional
 
 _log = logging.getLogger(__name__)
@@ -44,6 +51,7 @@ _MARK = "__otel_llm_deep_hook__"
 # vLLM's EngineCoreEventType values (IntEnum): QUEUED=1, SCHEDULED=2, PREEMPTED=3.
 QUEUED, SCHEDULED, PREEMPTED = 1, 2, 3
 
+MAX_ABORTED = 4096
 _lock = threading.Lock()
 _state: dict[str, Any] = {"installed": False, "failed": None, "originals": []}
 # The trace headers of the request being added, from AsyncLLM.add_request to OutputProcessor.add_request.
@@ -98,6 +106,33 @@ class RequestTrace:
         if since is not None:
             total += max(0.0, finish_time - since)
         return total
+
+
+class AbortedRequest:
+    """An aborted request as the output processor knew it (wall-clock times)."""
+
+    __slots__ = ("request_id", "arrival_time", "abort_time", "prompt_tokens", "max_tokens", "generation_tokens",
+                 "trace")
+
+    def __init__(self, req_state: Any) -> None:
+        stats = getattr(req_state, "stats", None)
+        self.request_id = str(getattr(req_state, "external_req_id", None) or getattr(req_state, "request_id", ""))
+        self.abort_time = time.time()
+        arrival = getattr(stats, "arrival_time", None)
+        self.arrival_time = arrival if isinstance(arrival, (int, float)) and arrival > 0 else self.abort_time
+        self.prompt_tokens = _count(getattr(req_state, "prompt_len", 0))
+        self.max_tokens = _count(getattr(req_state, "max_tokens_param", 0))
+        self.generation_tokens = _count(getattr(stats, "num_generation_tokens", 0))
+        trace = getattr(stats, TRACE_ATTR, None)
+        self.trace = trace if isinstance(trace, RequestTrace) else RequestTrace()
+
+
+def _count(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+# Filled by the output processor's thread, drained by the stat logger (deque appends and pops are atomic).
+aborted: "collections.deque[AbortedRequest]" = collections.deque(maxlen=MAX_ABORTED)
 
 
 def trace_of(finished_stats: Any) -> Optional[RequestTrace]:
@@ -290,8 +325,20 @@ def _install_trace_context_capture(warn_once: Callable[[str, BaseException], Non
             warn_once("keeping the trace headers", exc)
         return result
 
+    abort = OutputProcessor.abort_requests
+
+    def abort_requests(self: Any, *args: Any, **kwargs: Any) -> Any:
+        before = dict(self.request_states)
+        result = abort(self, *args, **kwargs)
+        try:
+            aborted.extend(AbortedRequest(state) for rid, state in before.items() if rid not in self.request_states)
+        except Exception as exc:
+            warn_once("keeping aborted requests", exc)
+        return result
+
     _wrap(AsyncLLM, "add_request", add_request)
     _wrap(OutputProcessor, "add_request", add_to_processor)
+    _wrap(OutputProcessor, "abort_requests", abort_requests)
     return None
 
 
