@@ -81,6 +81,7 @@ def run_round(server: Any, load: Any) -> dict[str, Any]:
     from otel_llm.integrations.vllm_server import run_load, scrape
 
     pid = server.proc.pid
+    load_average = os.getloadavg()[0]  # the machine is shared: how busy it was when the round began
     preempted = sum(v for (name, _), v in scrape(server.url + "/metrics").items() if name == "vllm:num_preemptions_total")
     api0, engine0 = cpu_seconds(pid), engine_cpu_seconds(pid)
     start = time.monotonic()
@@ -95,7 +96,8 @@ def run_round(server: Any, load: Any) -> dict[str, Any]:
                       if name == "vllm:num_preemptions_total") - preempted
     return {"seed": load.seed, "output_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
             "api_server_cpu_s": api_cpu, "engine_cpu_s": engine_cpu,
-            "api_server_cpu_ms_per_token": 1000 * api_cpu / tokens, "preemptions": int(preemptions)}
+            "api_server_cpu_ms_per_token": 1000 * api_cpu / tokens, "preemptions": int(preemptions),
+            "load_average_1m": load_average}
 
 
 def run(pairs: int = 5, requests: int = 64, max_tokens: int = 96, log: Any = sys.stderr) -> dict[str, Any]:
