@@ -25,9 +25,9 @@ $(READY): pyproject.toml
 demo: $(READY)
 	$(VENV)/bin/otel-llm demo --serve-seconds 20 $(ARGS)
 
-# tests/vllm runs in a venv of its own: `make test-vllm` (vllm.mk).
+# tests/vllm and tests/vllm_engine run in venvs of their own: `make test-vllm` (vllm.mk).
 test: $(READY)
-	$(PY) -m pytest -q --ignore=tests/vllm $(ARGS)
+	$(PY) -m pytest -q --ignore=tests/vllm --ignore=tests/vllm_engine $(ARGS)
 
 bench: $(READY)
 	$(PY) -m bench $(ARGS)

@@ -32,8 +32,12 @@ class TelemetryConfig:
     engine: str = "0"  # engine index label (data-parallel rank), as a string like vLLM's
     naming: str = "vllm"
     preemption_buckets: tuple[float, ...] = buckets.REQUEST_NUM_PREEMPTIONS
+    # Boundaries of other histograms, by metric key (otel_llm.metrics.METRICS), replacing the defaults.
+    histogram_buckets: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
     max_model_len: int = buckets.DEFAULT_MAX_MODEL_LEN  # caps vLLM's 1-2-5 token buckets
     spans: bool = True  # one span per request
+    span_name: str = "llm_request"
+    span_kind: str = "server"  # or "internal": beside an engine's own request span (vLLM's tracing)
     max_inflight_requests: int = 100_000  # tracked at once; the oldest is evicted beyond
     max_label_values: int = 100  # distinct values per user-derived label (finish/preemption reasons)
     record_content: bool = False  # prompt/output text on spans: off unless asked for
@@ -61,9 +65,17 @@ class TelemetryConfig:
                "must be a non-empty string")
         _check(isinstance(self.engine, str), "engine", self.engine, "must be a string such as '0'")
         _check(self.naming in NAMING_PROFILES, "naming", self.naming, f"must be one of {NAMING_PROFILES}")
+        _check(isinstance(self.span_name, str) and self.span_name != "", "span_name", self.span_name,
+               "must be a non-empty string")
+        _check(self.span_kind in ("server", "internal"), "span_kind", self.span_kind, "must be server or internal")
         object.__setattr__(
             self, "preemption_buckets", buckets.validate_boundaries("preemption_buckets", self.preemption_buckets)
         )
+        _check(isinstance(self.histogram_buckets, Mapping), "histogram_buckets", self.histogram_buckets,
+               "must be a mapping of metric key to boundaries")
+        object.__setattr__(self, "histogram_buckets", {
+            key: buckets.validate_boundaries(f"histogram_buckets[{key!r}]", values)
+            for key, values in self.histogram_buckets.items()})
         for name in ("spans", "record_content"):  # a string such as "false" would be truthy
             _check(isinstance(getattr(self, name), bool), name, getattr(self, name), "must be True or False")
         if self.sdk_disabled is not None:

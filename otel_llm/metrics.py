@@ -58,6 +58,9 @@ class MetricDef:
 
     def boundaries(self, config: TelemetryConfig) -> tuple[float, ...]:
         assert self.buckets is not None
+        custom = config.histogram_buckets.get(self.key)
+        if custom is not None:
+            return custom
         if config.naming == "semconv" and self.semconv_buckets is not None:
             return self.semconv_buckets
         return self.buckets(config)
@@ -67,7 +70,7 @@ def _latency(_: TelemetryConfig) -> tuple[float, ...]:
     return buckets.REQUEST_LATENCY
 
 
-def _tokens(config: TelemetryConfig) -> tuple[float, ...]:
+def request_token_buckets(config: TelemetryConfig) -> tuple[float, ...]:
     return buckets.request_tokens(config.max_model_len)
 
 
@@ -130,12 +133,12 @@ METRICS: tuple[MetricDef, ...] = (
               "Time spent back in the queue after preemptions, per request preempted at least once.",
               buckets=_latency),
     MetricDef("request_prompt_tokens", "histogram", "{token}", "vllm:request_prompt_tokens",
-              "llm.server.request.prompt_tokens", "Prompt tokens per finished request.", buckets=_tokens),
+              "llm.server.request.prompt_tokens", "Prompt tokens per finished request.", buckets=request_token_buckets),
     MetricDef("request_generation_tokens", "histogram", "{token}", "vllm:request_generation_tokens",
-              "llm.server.request.generation_tokens", "Output tokens per finished request.", buckets=_tokens),
+              "llm.server.request.generation_tokens", "Output tokens per finished request.", buckets=request_token_buckets),
     MetricDef("request_params_max_tokens", "histogram", "{token}", "vllm:request_params_max_tokens",
               "llm.server.request.max_tokens", "The max_tokens parameter per finished request (when set).",
-              buckets=_tokens),
+              buckets=request_token_buckets),
     MetricDef("iteration_tokens_total", "histogram", "{token}", "vllm:iteration_tokens_total",
               "llm.server.iteration.tokens", "Tokens computed per engine step (prefill + decode).",
               buckets=_const(buckets.ITERATION_TOKENS)),
@@ -167,6 +170,11 @@ def views(config: Optional[TelemetryConfig] = None) -> list[View]:
     Pass them when you build your own MeterProvider: ``MeterProvider(views=otel_llm.views(config))``.
     """
     config = config or TelemetryConfig()
+    allowed = {m.key for m in METRICS if m.kind == "histogram"} - {"request_num_preemptions"}
+    unknown = sorted(set(config.histogram_buckets) - allowed)
+    if unknown:
+        raise ValueError(f"histogram_buckets: {unknown} are not histogram keys of otel_llm.metrics.METRICS "
+                         "(request_num_preemptions has preemption_buckets)")
     out = []
     for m in METRICS:
         instrument = m.instrument_name(config.naming)
@@ -226,10 +234,11 @@ class Recorder:
                  exemplar: Optional[ExemplarIds], ctx: Any) -> None: ...
     def step(self, stats: StepStats) -> None: ...
     def dropped(self, reason: str, n: int = 1) -> None: ...
-    def show_zero_series(self, finish_reasons: Iterable[str]) -> None:
-        """Export every series from now on, at zero until observed (as vLLM's logger does):
-        dashboards show 0 rather than no data, and ``increase()`` sees a series' first
-        observations. ``request_success`` gets one series per reason given."""
+    def show_zero_series(self, finish_reasons: Iterable[str], histograms: Iterable[str]) -> None:
+        """Export series from now on, at zero until observed (as vLLM's logger does): dashboards
+        show 0 rather than no data, and ``increase()`` sees a series' first observations.
+        ``request_success`` gets one series per reason given, the gauges theirs, and the
+        histograms named (metric keys) theirs."""
 
 
 # ---------------------------------------------------------------------------------------
@@ -422,14 +431,13 @@ class FastMetrics(Recorder):
     def dropped(self, reason: str, n: int = 1) -> None:
         self.drops[reason] = self.drops.get(reason, 0) + n
 
-    def show_zero_series(self, finish_reasons: Iterable[str]) -> None:
+    def show_zero_series(self, finish_reasons: Iterable[str], histograms: Iterable[str]) -> None:
         for reason in finish_reasons:
             reason = self._limit_finish(reason)
             self.by_finish.setdefault(reason, 0)
         for key in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
             self.gauges.setdefault(key, 0)
-        cells = [self.h_ttft, self.h_itl, self.h_iteration, self.h_preemptions, *self.request_cells.values()]
-        self.hub.shown.update(id(c) for c in cells)
+        self.hub.shown.update(id(self._cell(key)) for key in histograms)
 
 
 # Per-request histograms recorded at finish, by metric key (request_num_preemptions apart: an int).
@@ -505,7 +513,7 @@ class SdkMetrics(Recorder):
     def dropped(self, reason: str, n: int = 1) -> None:
         self.i["dropped_events"].add(n, {**self.attributes, "reason": reason})
 
-    def show_zero_series(self, finish_reasons: Iterable[str]) -> None:
+    def show_zero_series(self, finish_reasons: Iterable[str], histograms: Iterable[str]) -> None:
         # An SDK histogram has no point before its first record: only the counter's series.
         for reason in finish_reasons:
             self.i["request_success"].add(0, {**self.attributes, self._finish_key: self._limit_finish(reason)})

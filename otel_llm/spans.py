@@ -34,7 +34,7 @@ from .aggregation import ExemplarIds
 from .config import TelemetryConfig
 from .tracker import RequestSummary
 
-SPAN_NAME = "llm_request"
+SPAN_KINDS = {"server": SpanKind.SERVER, "internal": SpanKind.INTERNAL}
 _propagator = TraceContextTextMapPropagator()
 _UNSET = Status(StatusCode.UNSET)
 # Attributes a request span gets after its start: the end ones, the completion, the incomplete mark.
@@ -57,6 +57,7 @@ class RequestSpans:
         self._exemplar_filter = exemplar_filter
         self._offset_ns = time.time_ns() - time.monotonic_ns()
         self._model = config.model_name
+        self.name, self.kind = config.span_name, SPAN_KINDS[config.span_kind]
 
     def wall_ns(self, monotonic_seconds: float) -> int:
         return int(monotonic_seconds * 1e9) + self._offset_ns
@@ -67,7 +68,7 @@ class RequestSpans:
     def start(self, request_id: str, ts: float, carrier: Optional[Mapping[str, str]],
               attributes: Mapping[str, Any]) -> Any:
         parent = _propagator.extract(carrier) if carrier else None
-        return self.tracer.start_span(SPAN_NAME, context=parent, kind=SpanKind.SERVER, start_time=self.wall_ns(ts),
+        return self.tracer.start_span(self.name, context=parent, kind=self.kind, start_time=self.wall_ns(ts),
                                       attributes=self._start_attributes(request_id, attributes))
 
     def _api_span(self, span: Any) -> trace.Span:
@@ -203,7 +204,7 @@ class AssembledSpans(RequestSpans):
             trace_id = parent.trace_id
             random_trace_id = parent.trace_flags.random_trace_id
         attributes = self._start_attributes(request_id, attributes)
-        sampling = tracer.sampler.should_sample(context, trace_id, SPAN_NAME, SpanKind.SERVER, attributes, None)
+        sampling = tracer.sampler.should_sample(context, trace_id, self.name, self.kind, attributes, None)
         flags = TraceFlags.SAMPLED if sampling.decision.is_sampled() else TraceFlags.DEFAULT
         if random_trace_id:
             flags |= TraceFlags.RANDOM_TRACE_ID
@@ -232,8 +233,8 @@ class AssembledSpans(RequestSpans):
         if isinstance(span.attributes, BoundedAttributes):
             span.attributes._immutable = True  # as the SDK's Span.end does
         tracer.span_processor.on_end(ReadableSpan(
-            SPAN_NAME, span.api.get_span_context(), span.parent, tracer.resource, span.attributes, span.events, (),
-            SpanKind.SERVER, tracer.instrumentation_info, status, span.start_ns, end_ns,
+            self.name, span.api.get_span_context(), span.parent, tracer.resource, span.attributes, span.events, (),
+            self.kind, tracer.instrumentation_info, status, span.start_ns, end_ns,
             tracer._instrumentation_scope))
 
     def end(self, span: _OpenSpan, summary: RequestSummary, extra: Optional[Mapping[str, Any]] = None) -> None:

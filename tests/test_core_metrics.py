@@ -104,6 +104,35 @@ def test_configured_buckets_are_used():
     assert p.bucket_counts == (3, 2, 1, 0, 0, 1, 0, 1)
 
 
+@pytest.mark.parametrize("fast_path", [True, False])
+def test_histogram_buckets_replace_a_histograms_defaults(fast_path):
+    config = TelemetryConfig(model_name="m", histogram_buckets={"e2e_request_latency_seconds": (0.05, 0.1)})
+    r = rig(config, fast_path=fast_path)
+    run(r)  # lifecycle(): a request lasts 0.09 s + 5 ms per preemption: 0.09 ... 0.1 for k <= 2
+    p = r.point("vllm:e2e_request_latency_seconds")
+    assert p.explicit_bounds == (0.05, 0.1)
+    assert p.bucket_counts == (0, 5, 3)
+    assert r.point("vllm:request_queue_time_seconds").explicit_bounds[:2] == (0.3, 0.5)  # the others unchanged
+
+
+def test_histogram_buckets_are_validated():
+    with pytest.raises(ValueError, match=r"histogram_buckets\['e2e_request_latency_seconds'\].*<= 0"):
+        TelemetryConfig(histogram_buckets={"e2e_request_latency_seconds": (0, 1)})
+    for key in ("no_such_metric", "num_preemptions", "request_num_preemptions"):
+        with pytest.raises(ValueError, match="not histogram keys"):
+            otel_llm.views(TelemetryConfig(histogram_buckets={key: (1, 2)}))
+
+
+def test_show_zero_series_exports_the_named_series_at_zero_before_any_request():
+    r = rig()
+    r.telemetry.metrics.show_zero_series(["stop", "length", "abort"], ["request_num_preemptions"])
+    p = r.point("vllm:request_num_preemptions")
+    assert (p.count, p.sum, set(p.bucket_counts)) == (0, 0, {0})
+    assert r.point("vllm:request_success", finished_reason="abort").value == 0
+    assert r.point("vllm:num_requests_running").value == 0
+    assert "vllm:e2e_request_latency_seconds" not in r.metrics()  # not named: exported once observed
+
+
 @pytest.mark.parametrize("bounds, rule", [
     ((), "empty"), ((0, 1), "<= 0"), ((-1, 1), "<= 0"), ((1, float("inf")), "not finite"),
     ((float("nan"),), "not finite"), ((2, 1), "sorted"), ((1, 1), "duplicated"), (("a",), "not a sequence"),

@@ -29,11 +29,14 @@ import threading
 import time
 from typing import Any, Callable, Iterable, Optional, Sequence
 
+from otel_llm.metrics import METRICS
+
 _log = logging.getLogger(__name__)
 
 __all__ = ["OtelStatLogger", "FieldReader", "use_handle", "reset"]
 
 DEFAULT_PREEMPTION_REASON = "kv_cache_full"
+SIBLING_SPAN_NAME = "llm_request.scheduling"  # our span's name when vLLM traces requests itself
 MAX_ENGINES = 1024  # engine indexes tracked by one logger (elastic EP may add some at run time)
 
 # ---------------------------------------------------------------------------------------
@@ -191,7 +194,10 @@ class _Impl:
         # vLLM's series that the core telemetry does not reproduce: built before the providers,
         # which need their Views.
         self.series = _series(vllm_config, engine_indexes, (own_config or handle.config).naming)
+        self._series_failed: set[str] = set()
         if handle is None:
+            if self.series is not None:
+                own_config = _with_vllm_buckets(own_config, self.series, vllm_config)
             handle = _get_handle(own_config, self.series.views() if self.series is not None else ())
         self.handle = handle
         base = handle.config
@@ -203,6 +209,10 @@ class _Impl:
         else:
             self.model_name = served
         self.config = dataclasses.replace(base, model_name=self.model_name)
+        if _vllm_traces_requests(vllm_config):
+            # vLLM's own llm_request span is the request's span: ours, with the preemption
+            # events, is an internal sibling under the same parent, not a second llm_request.
+            self.config = dataclasses.replace(self.config, span_name=SIBLING_SPAN_NAME, span_kind="internal")
         self.telemetry: dict[int, Any] = {}
         for idx in engine_indexes:
             self._engine(idx)
@@ -249,18 +259,21 @@ class _Impl:
             handle, engine = self.handle, str(idx)
             default = getattr(handle, "telemetry", None)
             cfg = getattr(default, "config", None)
-            if cfg is not None and cfg.model_name == self.model_name and cfg.engine == engine and default not in (
-                    self.telemetry.values()):
-                tel = default  # setup_telemetry's own EngineTelemetry, when its labels fit
+            if cfg is not None and cfg.model_name == self.model_name and cfg.engine == engine and (
+                    cfg.span_name == self.config.span_name) and default not in self.telemetry.values():
+                tel = default  # setup_telemetry's own EngineTelemetry, when its settings fit
             elif hasattr(handle, "new_telemetry"):
-                tel = handle.new_telemetry(model_name=self.model_name, engine=engine)
+                tel = handle.new_telemetry(model_name=self.model_name, engine=engine, span_name=self.config.span_name,
+                                           span_kind=self.config.span_kind)
             else:
                 import otel_llm
 
                 tel = otel_llm.EngineTelemetry(dataclasses.replace(self.config, engine=engine),
                                                meter_provider=handle.meter_provider,
                                                tracer_provider=handle.tracer_provider)
-            tel.metrics.show_zero_series(_finish_reasons())  # as vLLM's logger creates its series
+            # As vLLM's logger creates its series: the histograms that vLLM has too.
+            tel.metrics.show_zero_series(_finish_reasons(), [m.key for m in METRICS if m.kind == "histogram"
+                                                             and self.series is not None and m.vllm in self.series.families])
             self.telemetry[idx] = tel
         return tel
 
@@ -308,8 +321,10 @@ class _Impl:
         try:
             getattr(self.series.logger, method)(*args, **kwargs)
         except Exception as exc:
-            self.reader.warn_once("PrometheusStatLogger", method, f"failed ({exc!r}): vLLM's other series "
-                                  "may be incomplete")
+            if method not in self._series_failed:
+                self._series_failed.add(method)
+                _log.warning("otel-llm vLLM adapter: vLLM's PrometheusStatLogger.%s failed (%r): vLLM's series beyond "
+                             "the core metrics may be incomplete (reported once)", method, exc)
 
     def _record_step(self, tel: Any, idx: int, sched: Any, it: Any, offset: float) -> None:
         from otel_llm.events import StepStats
@@ -451,6 +466,42 @@ def _summary_class() -> type:
 
         _summary_cls.append(VllmRequestSummary)
     return _summary_cls[0]
+
+
+def _with_vllm_buckets(config: Any, series: Any, vllm_config: Any) -> Any:
+    """The config with vLLM's histogram boundaries where vLLM's settings changed them
+    (``--custom-histogram-buckets``): for every core histogram whose boundaries in vLLM's
+    logger differ from vLLM's defaults (which are ours in the ``vllm`` profile). An explicit
+    ``OTEL_LLM_PREEMPTION_BUCKETS`` / ``OTEL_LLM_MAX_MODEL_LEN`` wins."""
+    from otel_llm.metrics import request_token_buckets
+
+    defaults = dataclasses.replace(config, naming="vllm", histogram_buckets={})
+    custom = getattr(getattr(vllm_config, "observability_config", None), "custom_histogram_buckets", None) or {}
+    overrides = dict(config.histogram_buckets)
+    preemption = config.preemption_buckets
+    for m in METRICS:
+        family = series.families.get(m.vllm)
+        if m.kind != "histogram" or family is None or not family.bounds:
+            continue
+        if m.key == "request_num_preemptions":
+            # Ours start at 0.5 on purpose: vLLM's apply only when set by the user.
+            if "request_num_preemptions" in custom and not os.environ.get("OTEL_LLM_PREEMPTION_BUCKETS", "").strip():
+                preemption = family.bounds
+        elif m.buckets is request_token_buckets and os.environ.get("OTEL_LLM_MAX_MODEL_LEN", "").strip():
+            continue
+        elif tuple(map(float, m.boundaries(defaults))) != family.bounds:
+            overrides[m.key] = family.bounds
+    try:
+        return dataclasses.replace(config, histogram_buckets=overrides, preemption_buckets=preemption)
+    except ValueError as exc:  # e.g. a boundary <= 0, which vLLM allows and Ray's exporter rejects
+        _log.warning("otel-llm vLLM adapter: vLLM's custom histogram buckets are not used (%s)", exc)
+        return config
+
+
+def _vllm_traces_requests(vllm_config: Any) -> bool:
+    """vLLM's own tracing (``--otlp-traces-endpoint``) makes an ``llm_request`` span per request."""
+    observability = getattr(vllm_config, "observability_config", None)
+    return bool(getattr(observability, "otlp_traces_endpoint", None))
 
 
 def _finish_reasons() -> tuple[str, ...]:

@@ -178,10 +178,12 @@ class VllmSeries:
         self.naming = naming
         self.families: dict[str, _Family] = {}
         self.logger = self._build(vllm_config, list(engine_indexes))
-        # The info gauge (cache_config_info) is created when the engine reports it is up,
-        # after the providers exist: declared now so that its View exists; vLLM's call
-        # replaces it with the final values.
+        # The info gauge (cache_config_info) is created when the engine reports it is up, after
+        # the providers exist: declared now so that its View exists, exported from vLLM's call on.
+        before = set(self.families)
         self.logger.log_engine_initialized()
+        for name in set(self.families) - before:
+            self.families[name].children.clear()
 
     def otel_labels(self, labelnames: tuple[str, ...]) -> tuple[str, ...]:
         if self.naming == "vllm":

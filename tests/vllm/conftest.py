@@ -72,6 +72,7 @@ def otel(monkeypatch: pytest.MonkeyPatch, vllm_config):
     import otel_llm
     from otel_llm.integrations import vllm as plugin
     from otel_llm.integrations import vllm_deep_hook
+    from otel_llm.integrations.vllm_series import VllmSeries
 
     class Otel:
         def __init__(self, **config_overrides):
@@ -81,9 +82,11 @@ def otel(monkeypatch: pytest.MonkeyPatch, vllm_config):
                 model_name=vllm_config.model_config.served_model_name,
                 max_model_len=vllm_config.model_config.max_model_len,
                 metrics_exporters=("none",), traces_exporters=("none",), **config_overrides)
+            # vLLM's series beyond the core metrics need their Views on the provider.
             self.handle = otel_llm.setup_telemetry(
                 config, extra_metric_readers=[self.reader],
-                extra_span_processors=[SimpleSpanProcessor(self.spans)])
+                extra_span_processors=[SimpleSpanProcessor(self.spans)],
+                extra_views=VllmSeries(vllm_config, [0], config.naming).views())
             plugin.use_handle(self.handle)
 
     made: list[Otel] = []

@@ -54,9 +54,11 @@ def test_built_by_stat_logger_manager_with_real_vllm_config(otel, vllm_config):
     run(manager, {3: build(default_specs("x-")[:2], now_m, now_w)})
     manager.log()
     got = otel_samples(o.reader, {"vllm:request_success"})
+    # Every engine's five finish reasons exist from the start, as vLLM creates them.
     assert got == {("vllm:request_success_total",
-                    frozenset({"model_name": model, "engine": "3", "finished_reason": reason}.items())): 1.0
-                   for reason in ("length", "stop")}
+                    frozenset({"model_name": model, "engine": engine, "finished_reason": reason}.items())):
+                   1.0 if engine == "3" and reason in ("length", "stop") else 0.0
+                   for engine in ("0", "1", "3") for reason in ("stop", "length", "abort", "error", "repetition")}
     # Spans: one per finished request, with the exact preemption count.
     spans = o.spans.get_finished_spans()
     assert sorted(s.attributes["gen_ai.request.id"] for s in spans) == ["x-r0", "x-r0b"]

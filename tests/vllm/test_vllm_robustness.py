@@ -55,7 +55,10 @@ def _ours(o, model, families):
 
 
 def _warnings(caplog):
-    return [r.getMessage() for r in caplog.records if r.name == LOGGER and r.levelno == logging.WARNING]
+    """The adapter's own field warnings (vLLM's logger, run for its other series, fails on these
+    hand-made stats as it would in vLLM, with one warning of its own)."""
+    return [r.getMessage() for r in caplog.records if r.name == LOGGER and r.levelno == logging.WARNING
+            and "PrometheusStatLogger" not in r.getMessage()]
 
 
 def test_renamed_iteration_field_degrades_that_metric_with_one_warning(otel, vllm_config, caplog):
@@ -74,7 +77,7 @@ def test_renamed_iteration_field_degrades_that_metric_with_one_warning(otel, vll
     assert ours.field_warnings == {("IterationStats", "inter_token_latencies_iter")}
     got = _ours(o, model, {"vllm:inter_token_latency_seconds", "vllm:time_to_first_token_seconds",
                            "vllm:generation_tokens", "vllm:num_preemptions"})
-    assert ("vllm:inter_token_latency_seconds_count", None) not in got  # degraded
+    assert got[("vllm:inter_token_latency_seconds_count", None)] == 0  # degraded: the zero series only
     assert got[("vllm:time_to_first_token_seconds_count", None)] == 3  # the rest goes on
     assert got[("vllm:generation_tokens_total", None)] == 9
     assert got[("vllm:num_preemptions_total", None)] == 3

@@ -1,0 +1,115 @@
+"""vLLM's optional metrics and its settings that change metrics, through the plugin as vLLM
+loads it (providers built from the environment, our Prometheus endpoint on a free port): the
+same scripted stream and scheduler stats through vLLM's StatLoggerManager give the same samples
+on our endpoint as on vLLM's own registry, for LoRA, speculative decoding, KV-cache block
+metrics and custom histogram buckets. (The CPU engine runs none of these features: their
+stats are made here as vLLM's scheduler makes them.)"""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+
+import pytest
+from vllm_stream import build, default_specs, run
+
+TTFT_BUCKETS = [0.1, 1.0, 10.0]
+PREEMPTION_BUCKETS = [1.0, 2.0, 5.0]
+
+
+@pytest.fixture
+def plugin_endpoint(monkeypatch: pytest.MonkeyPatch):
+    from vllm.v1.metrics.prometheus import unregister_vllm_metrics
+
+    from otel_llm.integrations import vllm as plugin
+
+    monkeypatch.setenv("OTEL_METRICS_EXPORTER", "prometheus")
+    monkeypatch.setenv("OTEL_EXPORTER_PROMETHEUS_PORT", "0")
+    monkeypatch.setenv("OTEL_LLM_VLLM_DEEP_HOOK", "0")
+    plugin.reset()
+    unregister_vllm_metrics()
+    yield
+    plugin.reset()
+    unregister_vllm_metrics()
+
+
+def _config(model_dir: str, **kwargs):
+    from vllm.config import ModelConfig, VllmConfig
+
+    return VllmConfig(model_config=ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="float32"), **kwargs)
+
+
+def _samples(text: str) -> dict[tuple[str, frozenset], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.name, frozenset(s.labels.items())): s.value for f in text_string_to_metric_families(text)
+            for s in f.samples if s.name.startswith("vllm:") and not s.name.endswith("_created")}
+
+
+def _run(vllm_config, scheduler_stats):
+    from prometheus_client import REGISTRY, generate_latest
+    from vllm.v1.metrics.loggers import StatLoggerManager, load_stat_logger_plugin_factories
+
+    from otel_llm.integrations.vllm import OtelStatLogger
+
+    manager = StatLoggerManager(vllm_config, engine_idxs=[0], custom_stat_loggers=load_stat_logger_plugin_factories(),
+                                enable_default_loggers=False)
+    (ours,) = [s for s in manager.stat_loggers if isinstance(s, OtelStatLogger)]
+    manager.log_engine_initialized()
+    run(manager, {0: build(default_specs("s-"), time.monotonic(), time.time())})
+    manager.record(scheduler_stats=scheduler_stats, iteration_stats=None, engine_idx=0)
+    port = ours._impl.handle.prometheus_port
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as response:
+        got = _samples(response.read().decode())
+    return _samples(generate_latest(REGISTRY).decode()), got
+
+
+def _assert_same(theirs: dict, ours: dict, families: set[str], skip_values: frozenset = frozenset()) -> None:
+    present = {name for name, _ in theirs}
+    assert all(any(n.startswith(f) for n in present) for f in families), families - present
+    missing = sorted(k for k in theirs if k not in ours)
+    differ = {k: (v, ours[k]) for k, v in theirs.items() if k in ours and v != ours[k] and k[0] not in skip_values}
+    assert not missing, missing[:10]
+    assert not differ, differ
+
+
+def test_lora_info_and_speculative_decoding_and_kv_block_metrics(plugin_endpoint, model_dir):
+    from vllm.config import LoRAConfig, ObservabilityConfig, SpeculativeConfig
+    from vllm.v1.metrics.stats import KVCacheEvictionEvent, SchedulerStats
+    from vllm.v1.spec_decode.metrics import SpecDecodingStats
+
+    config = _config(model_dir, lora_config=LoRAConfig(max_loras=2, max_lora_rank=8),
+                     speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=2,
+                                                          prompt_lookup_max=3, prompt_lookup_min=1),
+                     observability_config=ObservabilityConfig(kv_cache_metrics=True))
+    spec = SpecDecodingStats.new(2)
+    spec.observe_draft(num_draft_tokens=2, num_accepted_tokens=1)
+    spec.observe_draft(num_draft_tokens=2, num_accepted_tokens=2)
+    stats = SchedulerStats(num_running_reqs=1, num_waiting_reqs=1, kv_cache_usage=0.25, spec_decoding_stats=spec,
+                           running_lora_adapters={"adapter-a": 1}, waiting_lora_adapters={"adapter-b": 1},
+                           kv_cache_eviction_events=[KVCacheEvictionEvent(lifetime_seconds=3.0, idle_seconds=1.0,
+                                                                          reuse_gaps_seconds=(0.5, 2.0))])
+    theirs, ours = _run(config, stats)
+    # lora_requests_info's value is the time of the record (set_to_current_time): vLLM's logger
+    # and ours set it microseconds apart.
+    lora = "vllm:lora_requests_info"
+    _assert_same(theirs, ours, {"vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens_per_pos",
+                                "vllm:kv_block_lifetime_seconds", "vllm:kv_block_reuse_gap_seconds", lora},
+                 skip_values=frozenset({lora}))
+    assert [v for (n, _), v in theirs.items() if n == "vllm:spec_decode_num_accepted_tokens_total"] == [3.0]
+    (when,) = [v for (n, labels), v in ours.items() if n == lora and ("running_lora_adapters", "adapter-a") in labels]
+    assert abs(when - time.time()) < 60
+
+
+def test_vllms_custom_histogram_buckets_are_honoured_by_every_histogram(plugin_endpoint, model_dir):
+    from vllm.config import ObservabilityConfig
+    from vllm.v1.metrics.stats import SchedulerStats
+
+    config = _config(model_dir, observability_config=ObservabilityConfig(custom_histogram_buckets={
+        "time_to_first_token": TTFT_BUCKETS, "request_num_preemptions": PREEMPTION_BUCKETS}))
+    theirs, ours = _run(config, SchedulerStats())
+    _assert_same(theirs, ours, {"vllm:time_to_first_token_seconds", "vllm:request_num_preemptions"})
+    for name, bounds in (("vllm:time_to_first_token_seconds_bucket", TTFT_BUCKETS),
+                         ("vllm:request_num_preemptions_bucket", PREEMPTION_BUCKETS)):
+        les = sorted(float(dict(labels)["le"]) for n, labels in ours if n == name)
+        assert les == [*bounds, float("inf")]
