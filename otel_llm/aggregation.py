@@ -81,6 +81,25 @@ class HistogramCell:
             self.seq += 1
             self.exemplars[i] = (value, time_ns(), exemplar[0], exemplar[1], self.seq)
 
+    def observe_many(self, values: Sequence[float]) -> None:
+        """Observe each value (no exemplars): one call for an engine step's many observations."""
+        if not values:
+            return
+        counts, bounds = self.counts, self.bounds
+        for value in values:
+            counts[bisect_left(bounds, value)] += 1
+        self.total += sum(values)
+        low, high = min(values), max(values)
+        if low < self.min:
+            self.min = low
+        if high > self.max:
+            self.max = high
+        for window in self.windows:
+            if low < window[0]:
+                window[0] = low
+            if high > window[1]:
+                window[1] = high
+
     def observation(self) -> Observation:
         """What the carrier instrument's callback yields for this cell."""
         return Observation(0, self.attributes, context=set_value(_CELL_KEY, self, Context()))

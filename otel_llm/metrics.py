@@ -20,7 +20,7 @@ import os
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 from opentelemetry.metrics import CallbackOptions, Meter, MeterProvider, Observation
 from opentelemetry.sdk.metrics.view import View
@@ -234,6 +234,9 @@ class Recorder:
                  exemplar: Optional[ExemplarIds], ctx: Any) -> None: ...
     def step(self, stats: StepStats) -> None: ...
     def dropped(self, reason: str, n: int = 1) -> None: ...
+    def latencies(self, ttfts: Sequence[float], itls: Sequence[float], exemplar: Optional[ExemplarIds],
+                  ctx: Any) -> None:
+        """An engine step's TTFT and inter-token latency observations, not tied to one request."""
     def show_zero_series(self, finish_reasons: Iterable[str], histograms: Iterable[str]) -> None:
         """Export series from now on, at zero until observed (as vLLM's logger does): dashboards
         show 0 rather than no data, and ``increase()`` sees a series' first observations.
@@ -431,6 +434,17 @@ class FastMetrics(Recorder):
     def dropped(self, reason: str, n: int = 1) -> None:
         self.drops[reason] = self.drops.get(reason, 0) + n
 
+    def latencies(self, ttfts: Sequence[float], itls: Sequence[float], exemplar: Optional[ExemplarIds],
+                  ctx: Any) -> None:
+        if exemplar is None:
+            self.h_ttft.observe_many(ttfts)
+            self.h_itl.observe_many(itls)
+            return
+        for value in ttfts:
+            self.h_ttft.observe(value, exemplar)
+        for value in itls:
+            self.h_itl.observe(value, exemplar)
+
     def show_zero_series(self, finish_reasons: Iterable[str], histograms: Iterable[str]) -> None:
         for reason in finish_reasons:
             reason = self._limit_finish(reason)
@@ -512,6 +526,13 @@ class SdkMetrics(Recorder):
 
     def dropped(self, reason: str, n: int = 1) -> None:
         self.i["dropped_events"].add(n, {**self.attributes, "reason": reason})
+
+    def latencies(self, ttfts: Sequence[float], itls: Sequence[float], exemplar: Optional[ExemplarIds],
+                  ctx: Any) -> None:
+        for value in ttfts:
+            self.ttft(value, exemplar, ctx)
+        for value in itls:
+            self.tokens(0, value, exemplar, ctx)
 
     def show_zero_series(self, finish_reasons: Iterable[str], histograms: Iterable[str]) -> None:
         # An SDK histogram has no point before its first record: only the counter's series.

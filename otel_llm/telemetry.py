@@ -198,10 +198,7 @@ class EngineTelemetry:
             with self._lock:
                 m = self.metrics
                 exemplar = self._spanless_exemplar
-                for value in ttfts:
-                    m.ttft(value, exemplar, _EMPTY_CONTEXT)
-                for value in itls:
-                    m.tokens(0, value, exemplar, _EMPTY_CONTEXT)
+                m.latencies(tuple(ttfts), tuple(itls), exemplar, _EMPTY_CONTEXT)
                 m.prompt_tokens(prompt_tokens)
                 m.tokens(generation_tokens, None, exemplar, _EMPTY_CONTEXT)
                 for _ in range(num_preemptions):

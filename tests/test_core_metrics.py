@@ -187,3 +187,22 @@ def test_provider_without_views_warns_once_and_still_counts(caplog):
 def test_views_cover_every_metric_with_a_colon():
     names = {v._name for v in otel_llm.views(TelemetryConfig())}
     assert {m.vllm for m in METRICS if ":" in m.vllm} <= names
+
+
+@pytest.mark.parametrize("delta", [False, True])
+def test_record_iteration_latencies_equal_on_both_paths(delta):
+    """record_iteration observes a step's TTFTs and ITLs in one call per histogram on the fast path."""
+    points = []
+    for fast_path in (True, False):
+        r = rig(fast_path=fast_path, delta=delta)
+        r.telemetry.record_iteration(ttfts=[0.02, 0.3], itls=[0.01, 0.01, 0.2, 3.0])
+        first = r.metrics()  # one collection per phase: a delta reader sees each observation once
+        r.telemetry.record_iteration(itls=[0.05])
+        (second,) = r.metrics()["vllm:inter_token_latency_seconds"]
+        (ttft,), (itl,) = first["vllm:time_to_first_token_seconds"], first["vllm:inter_token_latency_seconds"]
+        points.append([(p.count, p.sum, p.min, p.max, tuple(p.bucket_counts)) for p in (ttft, itl, second)])
+    # Sums equal up to float rounding: a delta point's sum is the running sum's difference.
+    assert [p[1] for p in points[0]] == pytest.approx([p[1] for p in points[1]])
+    assert [p[:1] + p[2:] for p in points[0]] == [p[:1] + p[2:] for p in points[1]]
+    assert points[0][1][:4] == (4, pytest.approx(3.22), 0.01, 3.0)
+    assert points[0][2][0] == (1 if delta else 5)

@@ -44,6 +44,7 @@ MAX_ENGINES = 1024  # engine indexes tracked by one logger (elastic EP may add s
 
 
 _MISSING = object()
+_NUMBERS = frozenset({int, float})
 
 
 class FieldReader:
@@ -84,6 +85,9 @@ class FieldReader:
         return _MISSING
 
     def number(self, obj: Any, field: str, metric: str) -> Optional[float]:
+        value = getattr(obj, field, _MISSING)
+        if type(value) in _NUMBERS and value == value:  # the common case, checked once per step: NaN != NaN
+            return value
         value = self.raw(obj, field, metric)
         if value is _MISSING:
             return None
@@ -105,7 +109,8 @@ class FieldReader:
         except TypeError:
             self.warn_once(type(obj).__name__, field, f"is not a list ({value!r}): {metric} is not recorded")
             return ()
-        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in items):
+        if not _NUMBERS.issuperset(map(type, items)) and not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in items):
             self.warn_once(type(obj).__name__, field, f"holds non-numbers: {metric} is not recorded")
             return tuple(v for v in items if isinstance(v, (int, float)) and not isinstance(v, bool))
         return items
@@ -147,10 +152,23 @@ def _get_handle(config: Any, extra_views: Sequence[Any]) -> Any:
     global _handle, _handle_owned
     with _handle_lock:
         if _handle is None:
-            from otel_llm import setup_telemetry
-
-            _handle, _handle_owned = setup_telemetry(config, extra_views=extra_views), True
+            _handle, _handle_owned = _setup(config, extra_views), True
         return _handle
+
+
+def _setup(config: Any, extra_views: Sequence[Any]) -> Any:
+    """setup_telemetry; when the Prometheus port is taken (another process on this host has
+    it), the rest without /metrics here: OTLP and traces keep working."""
+    from otel_llm import setup_telemetry
+
+    try:
+        return setup_telemetry(config, extra_views=extra_views)
+    except OSError as exc:
+        exporters = config.with_env_defaults(os.environ).metrics_exporters or ()
+        others = tuple(e for e in exporters if e != "prometheus") or ("none",)
+        _log.warning("otel-llm: no /metrics endpoint in this process (%s); metrics exporters %s and traces go on",
+                     exc, ",".join(others))
+        return setup_telemetry(dataclasses.replace(config, metrics_exporters=others), extra_views=extra_views)
 
 
 # ---------------------------------------------------------------------------------------
@@ -573,8 +591,10 @@ def _make_logger_class() -> type:
             self._impl: Optional[_Impl] = None
             try:
                 self._impl = _Impl(vllm_config, self.engine_indexes)
+            except ValueError as exc:  # a bad setting (OTEL_*, OTEL_LLM_*): its name and the rule, one line
+                _log.error("otel-llm vLLM adapter: telemetry disabled, vLLM serves on: %s", exc)
             except Exception:
-                # A bad setting (OTEL_LLM_*) or exporter must not stop vLLM from serving.
+                # Whatever else fails at start must not stop vLLM from serving either.
                 _log.exception("otel-llm vLLM adapter: telemetry disabled, it could not start")
 
         @_guard

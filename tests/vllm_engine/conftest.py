@@ -16,7 +16,7 @@ from typing import Iterator
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: backends (the OTLP sink)
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # tests/: backends (the OTLP sink)
 
 from backends import start_otlp_sink  # noqa: E402  (after the path above)
 
