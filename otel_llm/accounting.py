@@ -1,5 +1,5 @@
-"""What the export path loses, counted: spans dropped by the batch processor or in failed
-exports, metric points of failed exports. Onto ``otel_llm.dropped_events`` by reason.
+"""What the export path loses, counted: spans and log records dropped by the batch processors or
+in failed exports, metric points of failed exports. Onto ``otel_llm.dropped_events`` by reason.
 
 The SDK reports these only as log lines (its ``otel.sdk.*`` self-metrics are off by default
 and go to the global MeterProvider, which a plugin does not own), so the exporters and the
@@ -13,6 +13,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
+from opentelemetry.sdk._logs.export import BatchLogRecordProcessor, LogRecordExporter, LogRecordExportResult
 from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
@@ -22,6 +23,11 @@ if TYPE_CHECKING:
     from .telemetry import EngineTelemetry
 
 _log = logging.getLogger(__name__)
+
+# Log records (preemption log events) lost on the way out, by reason.
+LOG_RECORDS_QUEUE_FULL = "log_records_queue_full"
+LOG_RECORDS_AFTER_SHUTDOWN = "log_records_after_shutdown"
+LOG_RECORDS_EXPORT_FAILED = "log_records_export_failed"
 
 
 class ExportAccounting:
@@ -63,28 +69,40 @@ class ExportAccounting:
 
 class _ProcessorDrops:
     """Stands in for the SDK 1.45 BatchProcessor's metrics hook: ``drop_items`` is called
-    exactly when a span is dropped (queue full, or after shutdown)."""
+    exactly when an item is dropped (queue full, or after shutdown)."""
 
-    def __init__(self, inner: Any, accounting: ExportAccounting) -> None:
+    def __init__(self, inner: Any, accounting: ExportAccounting, queue_full: str, after_shutdown: str) -> None:
         self._inner = inner
         self._accounting = accounting
+        self._queue_full = queue_full
+        self._after_shutdown = after_shutdown
 
     def register_queue_size(self, get_queue_size: Any) -> None:
         self._inner.register_queue_size(get_queue_size)
 
     def drop_items(self, count: int, error_type: str = "queue_full") -> None:
-        self._accounting.drop(SPANS_AFTER_SHUTDOWN if error_type == "already_shutdown" else SPANS_QUEUE_FULL, count)
+        self._accounting.drop(self._after_shutdown if error_type == "already_shutdown" else self._queue_full, count)
         self._inner.drop_items(count, error_type)
 
     def finish_items(self, count: int) -> None:
         self._inner.finish_items(count)
 
 
-def counting_processor(exporter: SpanExporter, accounting: ExportAccounting) -> BatchSpanProcessor:
-    processor = BatchSpanProcessor(_CountingSpanExporter(exporter, accounting))
+def _count_drops(processor: Any, accounting: ExportAccounting, queue_full: str, after_shutdown: str) -> None:
     batch = getattr(processor, "_batch_processor", None)  # SDK 1.45 internals (pinned)
     if batch is not None and hasattr(batch, "_metrics"):
-        batch._metrics = _ProcessorDrops(batch._metrics, accounting)
+        batch._metrics = _ProcessorDrops(batch._metrics, accounting, queue_full, after_shutdown)
+
+
+def counting_processor(exporter: SpanExporter, accounting: ExportAccounting) -> BatchSpanProcessor:
+    processor = BatchSpanProcessor(_CountingExporter(exporter, accounting, _SPANS))
+    _count_drops(processor, accounting, SPANS_QUEUE_FULL, SPANS_AFTER_SHUTDOWN)
+    return processor
+
+
+def counting_log_processor(exporter: LogRecordExporter, accounting: ExportAccounting) -> BatchLogRecordProcessor:
+    processor = BatchLogRecordProcessor(_CountingExporter(exporter, accounting, _LOG_RECORDS))
+    _count_drops(processor, accounting, LOG_RECORDS_QUEUE_FULL, LOG_RECORDS_AFTER_SHUTDOWN)
     return processor
 
 
@@ -115,27 +133,42 @@ class Backoff:
             self._until = time.monotonic() + self._delay
 
 
-class _CountingSpanExporter(SpanExporter):
-    def __init__(self, exporter: SpanExporter, accounting: ExportAccounting) -> None:
+class _Kind:
+    """What a counting exporter exports: its name in ``delivered``, its failure reason, its results."""
+
+    def __init__(self, name: str, failed: str, result: Any) -> None:
+        self.name, self.failed, self.success, self.failure = name, failed, result.SUCCESS, result.FAILURE
+
+
+_SPANS = _Kind("spans", SPANS_EXPORT_FAILED, SpanExportResult)
+_LOG_RECORDS = _Kind("log_records", LOG_RECORDS_EXPORT_FAILED, LogRecordExportResult)
+
+
+class _CountingExporter(SpanExporter, LogRecordExporter):
+    """A span or log record exporter that counts what it delivers and loses (with Backoff)."""
+
+    def __init__(self, exporter: Any, accounting: ExportAccounting, kind: _Kind) -> None:
         self._exporter = exporter
         self._accounting = accounting
+        self._kind = kind
         self._backoff = Backoff()
 
-    def export(self, spans: Sequence[Any]) -> SpanExportResult:
+    def export(self, items: Sequence[Any]) -> Any:
+        kind = self._kind
         self._accounting.flush()
         if self._backoff.closed():
-            result = SpanExportResult.FAILURE
+            result = kind.failure
         else:
             try:
-                result = self._exporter.export(spans)
+                result = self._exporter.export(items)
             except Exception:  # noqa: BLE001 - counted, then as the SDK would: logged, batch lost
-                _log.warning("otel_llm: span export raised", exc_info=True)
-                result = SpanExportResult.FAILURE
-            self._backoff.result(result is SpanExportResult.SUCCESS)
-        if result is SpanExportResult.SUCCESS:
-            self._accounting.delivered("spans", len(spans))
+                _log.warning("otel_llm: %s export raised", kind.name, exc_info=True)
+                result = kind.failure
+            self._backoff.result(result is kind.success)
+        if result is kind.success:
+            self._accounting.delivered(kind.name, len(items))
         else:
-            self._accounting.drop(SPANS_EXPORT_FAILED, len(spans))
+            self._accounting.drop(kind.failed, len(items))
         return result
 
     def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:

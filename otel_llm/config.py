@@ -21,6 +21,12 @@ METRICS_EXPORTERS = ("otlp", "prometheus", "console", "none")
 TRACES_EXPORTERS = ("otlp", "console", "none")
 OTLP_PROTOCOLS = ("grpc", "http/protobuf")
 EXEMPLAR_FILTERS = ("trace_based", "always_on", "always_off")
+LOGS_EXPORTERS = ("otlp", "console", "none")
+PREEMPTION_EVENTS = ("span_event", "log", "both")  # where each preemption is recorded
+HISTOGRAM_AGGREGATIONS = ("explicit_bucket_histogram", "base2_exponential_bucket_histogram")
+# gen_ai.provider.name of a self-hosted engine: the conventions list only hosted providers
+# (well-known values) and allow a custom value otherwise.
+DEFAULT_PROVIDER_NAME = "self_hosted"
 DEFAULT_DEFER_STEPS = 16  # defer_steps of the telemetry setup_telemetry builds, unless set
 
 
@@ -38,6 +44,10 @@ class TelemetryConfig:
     spans: bool = True  # one span per request
     span_name: str = "llm_request"
     span_kind: str = "server"  # or "internal": beside an engine's own request span (vLLM's tracing)
+    # Each preemption as a span event ("span_event"), a log-based event "llm.request.preempted"
+    # ("log": the span keeps only llm.request.num_preemptions), or both.
+    preemption_events: str = "span_event"
+    provider_name: str = DEFAULT_PROVIDER_NAME  # gen_ai.provider.name (semconv profile, spans, log events)
     max_inflight_requests: int = 100_000  # tracked at once; the oldest is evicted beyond
     max_label_values: int = 100  # distinct values per user-derived label (finish/preemption reasons)
     record_content: bool = False  # prompt/output text on spans: off unless asked for
@@ -51,12 +61,16 @@ class TelemetryConfig:
     # Exporters (used by setup_telemetry); None = the standard OTEL_* variable or its default.
     metrics_exporters: Optional[tuple[str, ...]] = None
     traces_exporters: Optional[tuple[str, ...]] = None
+    logs_exporters: Optional[tuple[str, ...]] = None  # OTEL_LOGS_EXPORTER, default otlp (log events only)
     prometheus_host: Optional[str] = None  # default 127.0.0.1 (never all interfaces by default)
     prometheus_port: Optional[int] = None  # default 9464 when "prometheus" is an exporter
     otlp_protocol: Optional[str] = None  # grpc (default) or http/protobuf
     otlp_endpoint: Optional[str] = None  # else OTEL_EXPORTER_OTLP_[SIGNAL_]ENDPOINT
     metric_export_interval_ms: Optional[int] = None  # OTEL_METRIC_EXPORT_INTERVAL, default 60000
     exemplar_filter: Optional[str] = None  # OTEL_METRICS_EXEMPLAR_FILTER, default trace_based
+    # OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION: base2_exponential_bucket_histogram
+    # sends the latency and token histograms as exponential histograms over OTLP.
+    histogram_aggregation: Optional[str] = None
     sdk_disabled: Optional[bool] = None  # OTEL_SDK_DISABLED
     resource_attributes: Mapping[str, str] = field(default_factory=dict)
 
@@ -68,6 +82,10 @@ class TelemetryConfig:
         _check(isinstance(self.span_name, str) and self.span_name != "", "span_name", self.span_name,
                "must be a non-empty string")
         _check(self.span_kind in ("server", "internal"), "span_kind", self.span_kind, "must be server or internal")
+        _check(self.preemption_events in PREEMPTION_EVENTS, "preemption_events", self.preemption_events,
+               f"must be one of {PREEMPTION_EVENTS}")
+        _check(isinstance(self.provider_name, str) and self.provider_name.strip() != "", "provider_name",
+               self.provider_name, "must be a non-empty string")
         object.__setattr__(
             self, "preemption_buckets", buckets.validate_boundaries("preemption_buckets", self.preemption_buckets)
         )
@@ -95,6 +113,8 @@ class TelemetryConfig:
         if self.traces_exporters is not None:
             object.__setattr__(self, "traces_exporters", _names("traces_exporters", self.traces_exporters,
                                                                 TRACES_EXPORTERS))
+        if self.logs_exporters is not None:
+            object.__setattr__(self, "logs_exporters", _names("logs_exporters", self.logs_exporters, LOGS_EXPORTERS))
         if self.prometheus_host is not None:
             _check(isinstance(self.prometheus_host, str) and self.prometheus_host.strip() != "",
                    "prometheus_host", self.prometheus_host, "must be a host name or address")
@@ -113,6 +133,19 @@ class TelemetryConfig:
         if self.exemplar_filter is not None:
             _check(self.exemplar_filter in EXEMPLAR_FILTERS, "exemplar_filter", self.exemplar_filter,
                    f"must be one of {EXEMPLAR_FILTERS}")
+        if self.histogram_aggregation is not None:
+            _check(self.histogram_aggregation in HISTOGRAM_AGGREGATIONS, "histogram_aggregation",
+                   self.histogram_aggregation, f"must be one of {HISTOGRAM_AGGREGATIONS}")
+
+    @property
+    def log_events(self) -> bool:
+        """Preemptions go out as log records (``preemption_events`` "log" or "both")."""
+        return self.preemption_events != "span_event"
+
+    @property
+    def exponential(self) -> bool:
+        """The latency and token histograms go out over OTLP as exponential histograms."""
+        return self.histogram_aggregation == "base2_exponential_bucket_histogram"
 
     @classmethod
     def from_env(cls, environ: Optional[Mapping[str, str]] = None, **overrides: Any) -> "TelemetryConfig":
@@ -219,14 +252,18 @@ _ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
     "OTEL_LLM_RECORD_CONTENT": ("record_content", _bool),
     "OTEL_LLM_CONTENT_MAX_LENGTH": ("content_max_length", _int),
     "OTEL_LLM_DEFER_STEPS": ("defer_steps", _int),
+    "OTEL_LLM_PREEMPTION_EVENTS": ("preemption_events", str.lower),
+    "OTEL_LLM_PROVIDER_NAME": ("provider_name", str),
     "OTEL_METRICS_EXPORTER": ("metrics_exporters", lambda t: tuple(t.split(","))),
     "OTEL_TRACES_EXPORTER": ("traces_exporters", lambda t: tuple(t.split(","))),
+    "OTEL_LOGS_EXPORTER": ("logs_exporters", lambda t: tuple(t.split(","))),
     "OTEL_EXPORTER_PROMETHEUS_HOST": ("prometheus_host", str),
     "OTEL_EXPORTER_PROMETHEUS_PORT": ("prometheus_port", _int),
     "OTEL_EXPORTER_OTLP_PROTOCOL": ("otlp_protocol", str.lower),
     "OTEL_EXPORTER_OTLP_ENDPOINT": ("otlp_endpoint", str),
     "OTEL_METRIC_EXPORT_INTERVAL": ("metric_export_interval_ms", _float_or_int),
     "OTEL_METRICS_EXEMPLAR_FILTER": ("exemplar_filter", str.lower),
+    "OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION": ("histogram_aggregation", str.lower),
     "OTEL_SDK_DISABLED": ("sdk_disabled", _bool),
 }
 ENV_VARIABLES = tuple(_ENV)

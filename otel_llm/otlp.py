@@ -73,11 +73,13 @@ _EXPORTERS = {
     ("metrics", "http/protobuf"): ("opentelemetry.exporter.otlp.proto.http.metric_exporter", "OTLPMetricExporter"),
     ("traces", "grpc"): ("opentelemetry.exporter.otlp.proto.grpc.trace_exporter", "OTLPSpanExporter"),
     ("traces", "http/protobuf"): ("opentelemetry.exporter.otlp.proto.http.trace_exporter", "OTLPSpanExporter"),
+    ("logs", "grpc"): ("opentelemetry.exporter.otlp.proto.grpc._log_exporter", "OTLPLogExporter"),
+    ("logs", "http/protobuf"): ("opentelemetry.exporter.otlp.proto.http._log_exporter", "OTLPLogExporter"),
 }
 
 
 def exporter(config: TelemetryConfig, env: Mapping[str, str], signal: str) -> Any:
-    """The OTLP exporter of ``signal`` ("metrics" or "traces"); the rest of its settings
+    """The OTLP exporter of ``signal`` ("metrics", "traces" or "logs"); the rest of its settings
     (headers, TLS, compression, timeout, temporality) it reads from the environment itself."""
     proto = protocol(config, env, signal)
     url = endpoint(config, env, signal, proto)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
 from opentelemetry import trace
+from opentelemetry._logs import NoOpLoggerProvider
 from opentelemetry.metrics import NoOpMeterProvider
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics._internal.exemplar import (
@@ -22,12 +23,14 @@ from opentelemetry.sdk.metrics._internal.exemplar import (
 )
 from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, MetricReader, PeriodicExportingMetricReader
 from opentelemetry.sdk.metrics.view import View
+from opentelemetry.sdk._logs import LoggerProvider
+from opentelemetry.sdk._logs.export import BatchLogRecordProcessor, ConsoleLogRecordExporter
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
 
 from . import otlp, sdk_env
-from .accounting import CountingMetricExporter, ExportAccounting, counting_processor
+from .accounting import CountingMetricExporter, ExportAccounting, counting_log_processor, counting_processor
 from .config import DEFAULT_DEFER_STEPS, TelemetryConfig
 from .metrics import views
 from .telemetry import EngineTelemetry
@@ -55,6 +58,7 @@ class TelemetryHandle:
     engines: list[EngineTelemetry] = field(default_factory=list)
     accounting: Optional["ExportAccounting"] = None  # what the exporters lost (and delivered)
     extra_views: tuple[View, ...] = ()  # Views given to setup_telemetry beside otel_llm.views(config)
+    logger_provider: Any = None  # built when preemptions go out as log events (preemption_events)
     _closed: bool = False
 
     @property
@@ -65,6 +69,7 @@ class TelemetryHandle:
         """Another engine's telemetry on the same providers, e.g. ``new_telemetry(engine="1")``."""
         telemetry = EngineTelemetry(dataclasses.replace(self.config, **overrides),
                                     meter_provider=self.meter_provider, tracer_provider=self.tracer_provider,
+                                    logger_provider=self.logger_provider,
                                     fast_path=isinstance(self.meter_provider, MeterProvider))
         self.engines.append(telemetry)
         return telemetry
@@ -73,7 +78,7 @@ class TelemetryHandle:
         for telemetry in self.engines:
             telemetry.flush()  # pending events first: their spans and records
         ok = True
-        for provider in (self.tracer_provider, self.meter_provider):
+        for provider in (self.tracer_provider, self.logger_provider, self.meter_provider):
             if provider is self.meter_provider and self.accounting is not None:
                 self.accounting.flush()  # span losses onto dropped_events before metrics go out
             flush = getattr(provider, "force_flush", None)
@@ -87,7 +92,7 @@ class TelemetryHandle:
         self._closed = True
         for telemetry in self.engines:
             telemetry.shutdown()
-        for provider in (self.tracer_provider, self.meter_provider):
+        for provider in (self.tracer_provider, self.logger_provider, self.meter_provider):
             if provider is self.meter_provider and self.accounting is not None:
                 self.accounting.flush()
             stop = getattr(provider, "shutdown", None)
@@ -119,17 +124,20 @@ def setup_telemetry(config: Optional[TelemetryConfig] = None, *,
         config = dataclasses.replace(config, defer_steps=DEFAULT_DEFER_STEPS)
     if config.sdk_disabled:
         telemetry = EngineTelemetry(config, meter_provider=NoOpMeterProvider(),
-                                    tracer_provider=trace.NoOpTracerProvider(), fast_path=False)
+                                    tracer_provider=trace.NoOpTracerProvider(),
+                                    logger_provider=NoOpLoggerProvider(), fast_path=False)
         return TelemetryHandle(config, telemetry, None, None, engines=[telemetry], extra_views=tuple(extra_views))
 
     resource = _resource(config)
     metrics_exporters = config.metrics_exporters or (("prometheus",) if config.prometheus_port is not None
                                                      else ("otlp",))
     traces_exporters = config.traces_exporters or ("otlp",)
+    # Log records are only the preemption events: no LoggerProvider unless they are on.
+    logs_exporters = (config.logs_exporters or ("otlp",)) if config.log_events else ()
 
     # Every exporter setting is checked before anything binds a port or starts a thread.
     protocols = {}
-    for signal, names in (("metrics", metrics_exporters), ("traces", traces_exporters)):
+    for signal, names in (("metrics", metrics_exporters), ("traces", traces_exporters), ("logs", logs_exporters)):
         if "otlp" in names:
             protocols[signal] = otlp.protocol(config, env, signal)
             otlp.endpoint(config, env, signal, protocols[signal])
@@ -165,14 +173,22 @@ def setup_telemetry(config: Optional[TelemetryConfig] = None, *,
         tracer_provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
     for processor in extra_span_processors:
         tracer_provider.add_span_processor(processor)
+    logger_provider = None
+    if config.log_events:
+        logger_provider = LoggerProvider(resource=resource)
+        if "otlp" in logs_exporters:
+            logger_provider.add_log_record_processor(counting_log_processor(otlp.exporter(config, env, "logs"),
+                                                                            accounting))
+        if "console" in logs_exporters:
+            logger_provider.add_log_record_processor(BatchLogRecordProcessor(ConsoleLogRecordExporter()))
 
     telemetry = EngineTelemetry(config, meter_provider=meter_provider, tracer_provider=tracer_provider,
-                                fast_path=True)
+                                logger_provider=logger_provider, fast_path=True)
     accounting.telemetry = telemetry
-    _log.info("otel_llm telemetry: metrics=%s traces=%s prometheus=%s settings=%s", metrics_exporters,
-              traces_exporters, prometheus.url if prometheus else None, config.redacted())
+    _log.info("otel_llm telemetry: metrics=%s traces=%s logs=%s prometheus=%s settings=%s", metrics_exporters,
+              traces_exporters, logs_exporters, prometheus.url if prometheus else None, config.redacted())
     return TelemetryHandle(config, telemetry, meter_provider, tracer_provider, prometheus, engines=[telemetry],
-                           accounting=accounting, extra_views=tuple(extra_views))
+                           accounting=accounting, extra_views=tuple(extra_views), logger_provider=logger_provider)
 
 
 def _resource(config: TelemetryConfig) -> Resource:

@@ -18,12 +18,12 @@ from importlib.metadata import entry_points
 from typing import Mapping, Optional
 
 _OTLP = "OTEL_EXPORTER_OTLP_"
-_SIGNALS = ("", "TRACES_", "METRICS_")
+_SIGNALS = ("", "TRACES_", "METRICS_", "LOGS_")
 # What each exporter accepts (SDK 1.45: the gRPC one knows only gzip, and raises on anything else).
 _COMPRESSIONS = {"grpc": ("gzip",), "http/protobuf": ("gzip", "deflate", "none")}
 _SAMPLERS = ("always_on", "always_off", "traceidratio", "parentbased_always_on", "parentbased_always_off",
              "parentbased_traceidratio")
-# The batch span processor's defaults (OTel spec), for the queue/batch comparison.
+# The batch span and log record processors' defaults (OTel spec), for the queue/batch comparison.
 _BSP_DEFAULT_QUEUE, _BSP_DEFAULT_BATCH = 2048, 512
 
 # W3C Baggage-style members as the exporters parse them (values may hold spaces, not , ; " \).
@@ -33,20 +33,21 @@ _RESOURCE_ATTRIBUTE = re.compile(r"[^=,]*\S[^=,]*=.*")
 
 
 def check(env: Mapping[str, str], protocols: Mapping[str, str]) -> None:
-    """``protocols``: the OTLP protocol of each signal exported over OTLP ("traces", "metrics")."""
+    """``protocols``: the OTLP protocol of each signal exported over OTLP ("traces", "metrics", "logs")."""
     for signal in _SIGNALS:
         _number(env, f"{_OTLP}{signal}TIMEOUT", "a number of seconds > 0")
         _headers(env, f"{_OTLP}{signal}HEADERS")
         for name in ("CERTIFICATE", "CLIENT_KEY", "CLIENT_CERTIFICATE"):
             _file(env, f"{_OTLP}{signal}{name}")
     _number(env, "OTEL_METRIC_EXPORT_TIMEOUT", "a number of milliseconds > 0")
-    queue = _integer(env, "OTEL_BSP_MAX_QUEUE_SIZE", 1)
-    batch = _integer(env, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 1)
-    _integer(env, "OTEL_BSP_SCHEDULE_DELAY", 1)
-    _integer(env, "OTEL_BSP_EXPORT_TIMEOUT", 0)
-    if (batch or _BSP_DEFAULT_BATCH) > (queue or _BSP_DEFAULT_QUEUE):
-        raise ValueError(f"OTEL_BSP_MAX_EXPORT_BATCH_SIZE={batch or _BSP_DEFAULT_BATCH}: must be <= "
-                         f"OTEL_BSP_MAX_QUEUE_SIZE={queue or _BSP_DEFAULT_QUEUE}")
+    for prefix in ("OTEL_BSP_", "OTEL_BLRP_"):  # batch span / log record processor
+        queue = _integer(env, f"{prefix}MAX_QUEUE_SIZE", 1)
+        batch = _integer(env, f"{prefix}MAX_EXPORT_BATCH_SIZE", 1)
+        _integer(env, f"{prefix}SCHEDULE_DELAY", 1)
+        _integer(env, f"{prefix}EXPORT_TIMEOUT", 0)
+        if (batch or _BSP_DEFAULT_BATCH) > (queue or _BSP_DEFAULT_QUEUE):
+            raise ValueError(f"{prefix}MAX_EXPORT_BATCH_SIZE={batch or _BSP_DEFAULT_BATCH}: must be <= "
+                             f"{prefix}MAX_QUEUE_SIZE={queue or _BSP_DEFAULT_QUEUE}")
     for signal, protocol in protocols.items():
         for var in (f"{_OTLP}{signal.upper()}_COMPRESSION", f"{_OTLP}COMPRESSION"):
             _compression(env, var, protocol)

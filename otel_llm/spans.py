@@ -1,4 +1,5 @@
-"""Request spans: one ``llm_request`` span per request, span events at each preemption.
+"""Request spans: one ``llm_request`` span per request, span events at each preemption; and
+the same preemptions as log-based events (:class:`LogEvents`).
 
 Two ways to make them, with the same output (tests/test_spans_equivalence.py):
 
@@ -20,7 +21,8 @@ from __future__ import annotations
 import time
 from typing import Any, Mapping, Optional
 
-from opentelemetry import trace
+from opentelemetry import _logs, trace
+from opentelemetry.context import Context
 from opentelemetry.attributes import BoundedAttributes
 from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.sdk.trace import Tracer as SdkTracer
@@ -35,6 +37,7 @@ from .config import TelemetryConfig
 from .tracker import RequestSummary
 
 SPAN_KINDS = {"server": SpanKind.SERVER, "internal": SpanKind.INTERNAL}
+PREEMPTED_EVENT = "llm.request.preempted"  # event_name of a preemption's log record
 _propagator = TraceContextTextMapPropagator()
 _UNSET = Status(StatusCode.UNSET)
 # Attributes a request span gets after its start: the end ones, the completion, the incomplete mark.
@@ -248,3 +251,29 @@ class AssembledSpans(RequestSpans):
             return
         span.attributes["llm.request.incomplete"] = why  # type: ignore[index]
         self._emit(span, self._abandon_status(why), self.wall_ns(ts) if ts is not None else time.time_ns())
+
+
+class LogEvents:
+    """Preemptions as log-based events (OTEP 4430): one log record per preemption, emitted with
+    ``event_name`` through the Logs API, at the preemption's own time, carrying the request span's
+    trace and span ids (when the request has a span). Not subject to a span's event limit: every
+    preemption is emitted; the LoggerProvider's batch processor bounds what waits for export.
+    """
+
+    def __init__(self, logger_provider: Any, spans: Optional[RequestSpans]) -> None:
+        self.logger = _logs.get_logger("otel_llm", __version__, logger_provider=logger_provider)
+        self._spans = spans
+        offset_ns = time.time_ns() - time.monotonic_ns()
+        # The spans' clock when there are spans: a log record and its span event share a timestamp.
+        self.wall_ns = spans.wall_ns if spans is not None else (lambda ts: int(ts * 1e9) + offset_ns)
+
+    def preempted(self, request_id: str, span: Any, ordinal: int, ts: float, num_computed_tokens: int,
+                  reason: str) -> None:
+        context = (trace.set_span_in_context(self._spans._api_span(span), Context())
+                   if span is not None and self._spans is not None else Context())
+        self.logger.emit(timestamp=self.wall_ns(ts), context=context, event_name=PREEMPTED_EVENT, attributes={
+            "gen_ai.request.id": request_id,
+            "llm.preemption.ordinal": ordinal,
+            "llm.preemption.num_computed_tokens": num_computed_tokens,
+            "llm.preemption.reason": reason,
+        })

@@ -30,7 +30,7 @@ from . import tracker as t
 from .config import TelemetryConfig
 from .events import RequestEvent, StepStats
 from .metrics import FastMetrics, Recorder, SdkMetrics, provider_has_views
-from .spans import request_spans
+from .spans import LogEvents, request_spans
 from .tracker import RequestState, RequestSummary, Tracker
 
 _log = logging.getLogger(__name__)
@@ -90,10 +90,13 @@ class EngineTelemetry:
     built with :func:`otel_llm.views`, else the straightforward SDK path with one warning, and
     assembled spans (spans.AssembledSpans) when the TracerProvider is the SDK's; True/False
     forces the metric path, False also the Tracer API spans (tests and benchmarks compare both).
+    ``logger_provider``: where preemptions go as log-based events when
+    ``config.preemption_events`` is "log" or "both" (None: the global LoggerProvider).
     """
 
     def __init__(self, config: Optional[TelemetryConfig] = None, *, meter_provider: Any = None,
-                 tracer_provider: Any = None, fast_path: Optional[bool] = None) -> None:
+                 tracer_provider: Any = None, logger_provider: Any = None,
+                 fast_path: Optional[bool] = None) -> None:
         self.config = config = config or TelemetryConfig()
         meter_provider = meter_provider or metrics_api.get_meter_provider()
         assembled_spans = fast_path is not False
@@ -113,6 +116,8 @@ class EngineTelemetry:
         self._spanless_exemplar = (None, None) if exemplar_filter == "always_on" else None
         self.spans = (request_spans(config, tracer_provider, exemplar_filter, assembled_spans)
                       if config.spans else None)
+        self._span_events = config.preemption_events != "log"
+        self.log_events = LogEvents(logger_provider, self.spans) if config.log_events else None
         self.tracker = Tracker(self, config.max_inflight_requests)
         self._pending: deque[tuple[RequestEvent, ...]] = deque()
         # Deferred only where every collection applies the pending batches first (the hub's
@@ -182,10 +187,8 @@ class EngineTelemetry:
                 req = RequestState(summary.request_id, summary.arrival_time, summary.prompt_tokens,
                                    summary.max_tokens, summary.cached_tokens)
                 self._start_span(req, trace_context, {})
-                if req.span is not None:
-                    for ordinal, (ts, tokens, reason) in enumerate(summary.preemptions, 1):
-                        self.spans.event(req.span, "preempted", ts, {  # type: ignore[union-attr]
-                            "ordinal": ordinal, "num_computed_tokens": tokens, "reason": reason})
+                for ordinal, (ts, tokens, reason) in enumerate(summary.preemptions, 1):
+                    self._preemption_event(req, ordinal, ts, tokens, reason)
                 self._finish(req, summary, None, metrics)
         except Exception:  # noqa: BLE001
             self._internal_error(summary)
@@ -234,12 +237,7 @@ class EngineTelemetry:
 
     def request_preempted(self, req: RequestState, event: RequestEvent) -> None:
         self.metrics.preempted(event.reason, event.num_computed_tokens)
-        if req.span is not None:
-            self.spans.event(req.span, "preempted", event.timestamp, {  # type: ignore[union-attr]
-                "ordinal": req.num_preemptions,
-                "num_computed_tokens": event.num_computed_tokens,
-                "reason": event.reason,
-            })
+        self._preemption_event(req, req.num_preemptions, event.timestamp, event.num_computed_tokens, event.reason)
 
     def first_token(self, req: RequestState, ts: float) -> None:
         self.metrics.ttft(ts - req.arrival, req.exemplar, req.ctx)
@@ -265,6 +263,15 @@ class EngineTelemetry:
         self._drops.note(reason, event)
 
     # -- internals -----------------------------------------------------------------------
+
+    def _preemption_event(self, req: RequestState, ordinal: int, ts: float, num_computed_tokens: int,
+                          reason: str) -> None:
+        """The one place a preemption becomes an event: span event and/or log record, per config."""
+        if req.span is not None and self._span_events:
+            self.spans.event(req.span, "preempted", ts, {  # type: ignore[union-attr]
+                "ordinal": ordinal, "num_computed_tokens": num_computed_tokens, "reason": reason})
+        if self.log_events is not None:
+            self.log_events.preempted(req.request_id, req.span, ordinal, ts, num_computed_tokens, reason)
 
     def _start_span(self, req: RequestState, carrier: Any, attributes: dict[str, Any]) -> None:
         if self.spans is None:
