@@ -24,7 +24,7 @@ loggers nor counts in ``request_success``: a wrapper of ``OutputProcessor.abort_
 queues what it knew of each (:class:`AbortedRequest`, at most :data:`MAX_ABORTED` waiting), and
 the stat logger gives each a span with finish reason ``abort``, leaving the metrics as vLLM's.
 
-Guards: the vLLM version must be in the accepted range (``>= 0.10, < 0.34``; tested on 0.33.0;
+Guards: the vLLM version must be in the accepted range (``>= 0.10, < 0.34``; tested on 0.32.0 serving and 0.33.0;
 ``=force`` skips the version check) and both targets must have the expected parameters. When it cannot attach, it
 says so once (a warning) and the plugin falls back to metrics plus one span per finished
 request with the exact preemption count. Loaded in every vLLM process through the

@@ -11,6 +11,7 @@ import time
 import urllib.request
 
 import pytest
+from samples import vllm_samples
 from vllm_stream import build, default_specs, run
 
 TTFT_BUCKETS = [0.1, 1.0, 10.0]
@@ -113,3 +114,25 @@ def test_vllms_custom_histogram_buckets_are_honoured_by_every_histogram(plugin_e
                          ("vllm:request_num_preemptions_bucket", PREEMPTION_BUCKETS)):
         les = sorted(float(dict(labels)["le"]) for n, labels in ours if n == name)
         assert les == [*bounds, float("inf")]
+
+
+def test_semconv_profile_names_vllms_other_series_without_a_vllm_colon_name(otel, vllm_config):
+    """In the semconv profile vLLM's other series are ``vllm.<name>`` with GenAI label names."""
+    from vllm.v1.metrics.loggers import StatLoggerManager, load_stat_logger_plugin_factories
+
+    o = otel(naming="semconv")
+    manager = StatLoggerManager(vllm_config, engine_idxs=[0], custom_stat_loggers=load_stat_logger_plugin_factories(),
+                                enable_default_loggers=False)
+    run(manager, {0: build(default_specs("n-"), time.monotonic(), time.time())})
+    data = o.reader.get_metrics_data()
+    points = {m.name: list(m.data.data_points) for rm in data.resource_metrics for sm in rm.scope_metrics
+              for m in sm.metrics}
+    assert not [name for name in points if name.startswith("vllm:")]
+    (computed,) = points["vllm.request_prefill_kv_computed_tokens"]
+    model = vllm_config.model_config.served_model_name
+    assert dict(computed.attributes) == {"gen_ai.request.model": model, "llm.engine": "0"}
+    theirs = vllm_samples({"vllm:request_prefill_kv_computed_tokens"})
+    labels = frozenset({"model_name": model, "engine": "0"}.items())
+    assert computed.count == theirs[("vllm:request_prefill_kv_computed_tokens_count", labels)] == len(default_specs())
+    assert computed.sum == theirs[("vllm:request_prefill_kv_computed_tokens_sum", labels)] > 0
+    assert "vllm.prefix_cache_queries" in points and "gen_ai.server.request.duration" in points
