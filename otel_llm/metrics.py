@@ -48,6 +48,7 @@ class MetricDef:
     buckets: Optional[Callable[[TelemetryConfig], tuple[float, ...]]] = None
     semconv_buckets: Optional[tuple[float, ...]] = None  # where the GenAI conventions advise others
     label: Optional[str] = None  # extra label: "finished_reason" or "reason"
+    error_type: bool = False  # semconv: a failed request's observation carries error.type
 
     def name(self, naming: str) -> str:
         return self.vllm if naming == "vllm" else self.semconv
@@ -107,7 +108,7 @@ METRICS: tuple[MetricDef, ...] = (
               "KV-cache usage, 0 to 1 (1 = full)."),
     MetricDef("e2e_request_latency_seconds", "histogram", "s", "vllm:e2e_request_latency_seconds",
               "gen_ai.server.request.duration", "Arrival to finish.", buckets=_latency,
-              semconv_buckets=buckets.GENAI_REQUEST_DURATION),
+              semconv_buckets=buckets.GENAI_REQUEST_DURATION, error_type=True),
     MetricDef("time_to_first_token_seconds", "histogram", "s", "vllm:time_to_first_token_seconds",
               "gen_ai.server.time_to_first_token", "Arrival to first output token.",
               buckets=_const(buckets.TIME_TO_FIRST_TOKEN), semconv_buckets=buckets.GENAI_TIME_TO_FIRST_TOKEN),
@@ -152,12 +153,25 @@ _LABEL_KEYS = {
 }
 
 
+# GenAI semantic conventions followed by the semconv profile (and the spans' gen_ai.* attributes).
+SEMCONV_VERSION = "semantic-conventions-genai v0.1.0"
+GEN_AI_OPERATION = "text_completion"  # an engine completes text from a prompt (well-known value)
+ERROR_TYPE = "_OTHER"  # error.type of a request finished with reason "error" (the conventions' fallback)
+
+
 def base_attributes(config: TelemetryConfig) -> dict[str, str]:
     keys = _LABEL_KEYS[config.naming]
     attrs = {keys["model"]: config.model_name, keys["engine"]: config.engine}
     if config.naming == "semconv":
-        attrs["gen_ai.operation.name"] = "text_completion"
+        attrs["gen_ai.operation.name"] = GEN_AI_OPERATION
+        attrs["gen_ai.provider.name"] = config.provider_name
     return attrs
+
+
+def error_attributes(config: TelemetryConfig) -> Optional[dict[str, str]]:
+    """Attributes of a failed request's observations on histograms with ``MetricDef.error_type``
+    (semconv: error.type is conditionally required on gen_ai.server.request.duration)."""
+    return {**base_attributes(config), "error.type": ERROR_TYPE} if config.naming == "semconv" else None
 
 
 def label_key(config: TelemetryConfig, label: str) -> str:
@@ -376,11 +390,15 @@ class FastMetrics(Recorder):
         self.h_itl = cell("inter_token_latency_seconds")
         self.h_iteration = cell("iteration_tokens_total")
         self.request_cells = {k: cell(k) for k in _REQUEST_HISTOGRAMS}
+        errors = error_attributes(config)
+        # The same cells for a failed request, except error.type where the conventions ask for it.
+        self.error_cells = ({k: cell(k, errors) if BY_KEY[k].error_type else c for k, c in self.request_cells.items()}
+                            if errors else self.request_cells)
         self.h_preemptions = cell("request_num_preemptions")
         self.hub.recorders.add(self)
 
-    def _cell(self, key: str) -> HistogramCell:
-        return self.hub.cell(key, BY_KEY[key].boundaries(self.config), self.attributes)
+    def _cell(self, key: str, attributes: Optional[dict[str, str]] = None) -> HistogramCell:
+        return self.hub.cell(key, BY_KEY[key].boundaries(self.config), attributes or self.attributes)
 
     def counter_values(self, key: str) -> Iterable[tuple[dict[str, str], int]]:
         if key == "num_preemptions":
@@ -418,7 +436,7 @@ class FastMetrics(Recorder):
                  exemplar: Optional[ExemplarIds], ctx: Any) -> None:
         reason = self._limit_finish(finish_reason)
         self.by_finish[reason] = self.by_finish.get(reason, 0) + 1
-        cells = self.request_cells
+        cells = self.error_cells if finish_reason == "error" else self.request_cells
         for key, value in values.items():
             cells[key].observe(value, exemplar)
         self.h_preemptions.observe(num_preemptions, exemplar)
@@ -475,6 +493,7 @@ class SdkMetrics(Recorder):
         self.lock = threading.Lock()
         self.config = config
         self.attributes = base_attributes(config)
+        self._error_attributes = error_attributes(config)
         self._reason_key = label_key(config, "reason")
         self._finish_key = label_key(config, "finished_reason")
         self._limit_reason = LabelLimiter(config.max_label_values)
@@ -512,8 +531,9 @@ class SdkMetrics(Recorder):
                  exemplar: Optional[ExemplarIds], ctx: Any) -> None:
         i, attrs = self.i, self.attributes
         i["request_success"].add(1, {**attrs, self._finish_key: self._limit_finish(finish_reason)})
+        errors = self._error_attributes if finish_reason == "error" else None
         for key, value in values.items():
-            i[key].record(value, attrs, context=ctx)
+            i[key].record(value, errors if errors and BY_KEY[key].error_type else attrs, context=ctx)
         i["request_num_preemptions"].record(num_preemptions, attrs, context=ctx)
 
     def step(self, stats: StepStats) -> None:

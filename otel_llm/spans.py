@@ -34,14 +34,16 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from . import __version__
 from .aggregation import ExemplarIds
 from .config import TelemetryConfig
+from .metrics import ERROR_TYPE, GEN_AI_OPERATION
 from .tracker import RequestSummary
 
 SPAN_KINDS = {"server": SpanKind.SERVER, "internal": SpanKind.INTERNAL}
 PREEMPTED_EVENT = "llm.request.preempted"  # event_name of a preemption's log record
 _propagator = TraceContextTextMapPropagator()
 _UNSET = Status(StatusCode.UNSET)
-# Attributes a request span gets after its start: the end ones, the completion, the incomplete mark.
-_MAX_LATER_ATTRIBUTES = 16
+# Attributes a request span gets after its start: the end ones (error.type included), the
+# completion, the incomplete mark.
+_MAX_LATER_ATTRIBUTES = 17
 
 
 def request_spans(config: TelemetryConfig, tracer_provider: Optional[TracerProvider], exemplar_filter: str,
@@ -60,13 +62,15 @@ class RequestSpans:
         self._exemplar_filter = exemplar_filter
         self._offset_ns = time.time_ns() - time.monotonic_ns()
         self._model = config.model_name
+        self._provider = config.provider_name
         self.name, self.kind = config.span_name, SPAN_KINDS[config.span_kind]
 
     def wall_ns(self, monotonic_seconds: float) -> int:
         return int(monotonic_seconds * 1e9) + self._offset_ns
 
     def _start_attributes(self, request_id: str, attributes: Mapping[str, Any]) -> dict[str, Any]:
-        return {"gen_ai.request.id": request_id, "gen_ai.request.model": self._model, **attributes}
+        return {"gen_ai.request.id": request_id, "gen_ai.operation.name": GEN_AI_OPERATION,
+                "gen_ai.provider.name": self._provider, "gen_ai.request.model": self._model, **attributes}
 
     def start(self, request_id: str, ts: float, carrier: Optional[Mapping[str, str]],
               attributes: Mapping[str, Any]) -> Any:
@@ -109,6 +113,8 @@ class RequestSpans:
         }
         if summary.max_tokens > 0:
             attributes["gen_ai.request.max_tokens"] = summary.max_tokens
+        if summary.finish_reason == "error":
+            attributes["error.type"] = ERROR_TYPE
         for name, value in (
             ("llm.request.queue_time", summary.queue_time),
             ("llm.request.time_to_first_token", summary.ttft),
