@@ -29,7 +29,7 @@ import threading
 import time
 from typing import Any, Callable, Iterable, Optional, Sequence
 
-from otel_llm.metrics import METRICS
+from otel_llm.metrics import METRICS, request_token_buckets
 
 _log = logging.getLogger(__name__)
 
@@ -231,6 +231,9 @@ class _Impl:
             # vLLM's own llm_request span is the request's span: ours, with the preemption
             # events, is an internal sibling under the same parent, not a second llm_request.
             self.config = dataclasses.replace(self.config, span_name=SIBLING_SPAN_NAME, span_kind="internal")
+        # Created at start at zero as vLLM creates its series: the histograms vLLM has too.
+        self._zero_histograms = [m.key for m in METRICS if m.kind == "histogram"
+                                 and self.series is not None and m.vllm in self.series.families]
         self.telemetry: dict[int, Any] = {}
         for idx in engine_indexes:
             self._engine(idx)
@@ -289,9 +292,7 @@ class _Impl:
                 tel = otel_llm.EngineTelemetry(dataclasses.replace(self.config, engine=engine),
                                                meter_provider=handle.meter_provider,
                                                tracer_provider=handle.tracer_provider)
-            # As vLLM's logger creates its series: the histograms that vLLM has too.
-            tel.metrics.show_zero_series(_finish_reasons(), [m.key for m in METRICS if m.kind == "histogram"
-                                                             and self.series is not None and m.vllm in self.series.families])
+            tel.metrics.show_zero_series(_finish_reasons(), self._zero_histograms)
             self.telemetry[idx] = tel
         return tel
 
@@ -491,8 +492,6 @@ def _with_vllm_buckets(config: Any, series: Any, vllm_config: Any) -> Any:
     (``--custom-histogram-buckets``): for every core histogram whose boundaries in vLLM's
     logger differ from vLLM's defaults (which are ours in the ``vllm`` profile). An explicit
     ``OTEL_LLM_PREEMPTION_BUCKETS`` / ``OTEL_LLM_MAX_MODEL_LEN`` wins."""
-    from otel_llm.metrics import request_token_buckets
-
     defaults = dataclasses.replace(config, naming="vllm", histogram_buckets={})
     custom = getattr(getattr(vllm_config, "observability_config", None), "custom_histogram_buckets", None) or {}
     overrides = dict(config.histogram_buckets)
