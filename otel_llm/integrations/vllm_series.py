@@ -24,7 +24,6 @@ labels are ``gen_ai.request.model``/``llm.engine``.
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
 import threading
 import time
@@ -37,8 +36,6 @@ from opentelemetry.sdk.metrics.view import View
 from otel_llm import __version__
 from otel_llm.aggregation import HistogramCell, InProcessHistogram
 from otel_llm.metrics import METRICS, SCOPE
-
-_log = logging.getLogger(__name__)
 
 __all__ = ["VllmSeries", "SeriesView"]
 

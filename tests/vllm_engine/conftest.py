@@ -46,7 +46,7 @@ def otlp_sink() -> Iterator:
 def vllm_sdist(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """vLLM's own test of its /metrics and its example dashboards, from its source release on
     PyPI (read at test time, not kept in this repository)."""
-    request = urllib.request.Request(f"https://pypi.org/simple/vllm/",
+    request = urllib.request.Request("https://pypi.org/simple/vllm/",
                                      headers={"Accept": "application/vnd.pypi.simple.v1+json"})
     with urllib.request.urlopen(request, timeout=60) as response:
         files = json.load(response)["files"]
