@@ -1,0 +1,64 @@
+"""Every process that runs the telemetry has its own identity on its resource.
+
+Many engine processes (vLLM API servers, data-parallel ranks, replicas) push to one collector:
+without a distinct ``service.instance.id`` their series would be one series there, each export
+overwriting the others'. The SDK's resource detection gives each process a UUID (renewed in a
+forked child); a user-given one wins. These tests hold that contract for setup_telemetry.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import uuid
+
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+from otel_llm import TelemetryConfig, setup_telemetry
+
+
+def _resource_attributes() -> dict:
+    reader = InMemoryMetricReader()
+    handle = setup_telemetry(TelemetryConfig(model_name="m", metrics_exporters=("none",), traces_exporters=("none",)),
+                             extra_metric_readers=[reader])
+    try:
+        (rm,) = reader.get_metrics_data().resource_metrics
+        return dict(rm.resource.attributes)
+    finally:
+        handle.shutdown()
+
+
+def test_a_process_has_one_uuid_instance_id(clean_env):
+    first, second = _resource_attributes(), _resource_attributes()
+    assert first["service.instance.id"] == second["service.instance.id"]  # engines of one process
+    assert uuid.UUID(first["service.instance.id"]).version == 4
+    assert first["service.name"] == "otel-llm"
+
+
+def test_child_processes_get_their_own_instance_id(clean_env):
+    code = "from tests.test_process_identity import _instance_id; print(_instance_id())"
+    ids = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          timeout=120).stdout.strip() for _ in range(2)}
+    assert len(ids) == 2 and all(uuid.UUID(i) for i in ids)
+
+
+def test_a_user_given_identity_and_service_name_win(clean_env):
+    clean_env.setenv("OTEL_RESOURCE_ATTRIBUTES", "service.instance.id=replica-7,deployment.environment=prod")
+    clean_env.setenv("OTEL_SERVICE_NAME", "vllm-llama")
+    attributes = _resource_attributes()
+    assert attributes["service.instance.id"] == "replica-7"
+    assert attributes["service.name"] == "vllm-llama"
+    assert attributes["deployment.environment"] == "prod"
+
+
+def test_a_forked_child_gets_its_own_instance_id(clean_env):
+    import multiprocessing
+
+    parent = _resource_attributes()["service.instance.id"]
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        child = pool.apply(_instance_id)
+    assert child != parent and uuid.UUID(child)
+
+
+def _instance_id() -> str:
+    return _resource_attributes()["service.instance.id"]
