@@ -11,6 +11,13 @@ built once. The SDK sees ordinary explicit-bucket histogram points, exemplars in
   binds to that cell and, at collect, turns its counts into a ``HistogramDataPoint`` (cumulative
   or delta, per reader). Every reader on the provider (in-memory, Prometheus, OTLP) gets it.
 
+With ``exponential=True`` (OTLP's ``base2_exponential_bucket_histogram``), an
+:class:`ExponentialHistogramCell` also keeps base-2 exponential buckets, and the View's
+aggregation exports them as exponential histogram points, bucket for bucket what the SDK's own
+exponential aggregation gives for the same observations and collections (scale, offsets,
+counts; tests/test_exponential.py); a cell keeps both, so a Prometheus reader on the same
+provider can still read its explicit buckets.
+
 This relies on SDK internals (``_Aggregation``, ``_ExplicitBucketHistogramAggregation``), so
 pyproject pins ``opentelemetry-sdk`` to 1.45.x and ``tests/test_sdk_contract.py`` holds the
 contract. The same Aggregation applied to a *synchronous* histogram behaves exactly like
@@ -20,6 +27,7 @@ contract. The same Aggregation applied to a *synchronous* histogram behaves exac
 from __future__ import annotations
 
 import math
+import threading
 from bisect import bisect_left
 from time import time_ns
 from typing import Any, Callable, Optional, Sequence
@@ -30,10 +38,17 @@ from opentelemetry.sdk.metrics import Histogram as SdkHistogram
 from opentelemetry.sdk.metrics._internal.aggregation import (
     AggregationTemporality,
     _ExplicitBucketHistogramAggregation,
+    _ExponentialBucketHistogramAggregation,
 )
 from opentelemetry.sdk.metrics._internal.exemplar import Exemplar
-from opentelemetry.sdk.metrics._internal.point import HistogramDataPoint
-from opentelemetry.sdk.metrics.view import Aggregation, ExplicitBucketHistogramAggregation
+from opentelemetry.sdk.metrics._internal.exponential_histogram.mapping.logarithm_mapping import LogarithmMapping
+from opentelemetry.sdk.metrics._internal.point import Buckets as BucketsPoint
+from opentelemetry.sdk.metrics._internal.point import ExponentialHistogramDataPoint, HistogramDataPoint
+from opentelemetry.sdk.metrics.view import (
+    Aggregation,
+    ExplicitBucketHistogramAggregation,
+    ExponentialBucketHistogramAggregation,
+)
 from opentelemetry.util.types import Attributes
 
 _CELL_KEY = create_key("otel_llm.histogram_cell")
@@ -105,12 +120,104 @@ class HistogramCell:
         return Observation(0, self.attributes, context=set_value(_CELL_KEY, self, Context()))
 
 
-class InProcessHistogram(Aggregation):
-    """Explicit-bucket histogram: in-process cells for carrier instruments, the SDK's own otherwise."""
+# The SDK's exponential histogram defaults (OTel spec): 160 buckets per sign, from scale 20.
+MAX_SCALE = 20
+MAX_SIZE = 160
+_index_at_max_scale = LogarithmMapping(MAX_SCALE).map_to_index
 
-    def __init__(self, boundaries: Sequence[float]) -> None:
+
+class ExponentialBuckets:
+    """Base-2 exponential buckets as the SDK's aggregation keeps them: a value goes to its index
+    at the current scale (the SDK's own mapping at scale 20, shifted: exact, since the mapping's
+    scale factor is a power of two), and the scale drops just enough to keep each sign's indices
+    within MAX_SIZE buckets. ``state`` is replaced whole on a rescale, so a reader's snapshot is
+    never torn between scale and counts."""
+
+    __slots__ = ("state", "zero")
+
+    def __init__(self) -> None:
+        self.state: tuple[int, dict[int, int], dict[int, int]] = (MAX_SCALE, {}, {})  # scale, positive, negative
+        self.zero = 0
+
+    def add(self, index: int, negative: bool) -> None:
+        """``index``: the value's index at MAX_SCALE."""
+        scale, positive, negative_buckets = self.state
+        buckets = negative_buckets if negative else positive
+        i = index >> (MAX_SCALE - scale)
+        count = buckets.get(i)
+        if count is not None:
+            buckets[i] = count + 1
+            return
+        if buckets:
+            low, high = min(buckets), max(buckets)
+            low, high = min(low, i), max(high, i)
+            change = 0
+            while (high >> change) - (low >> change) >= MAX_SIZE:
+                change += 1
+            if change:
+                scale -= change
+                positive, negative_buckets = _downscale(positive, change), _downscale(negative_buckets, change)
+                self.state = (scale, positive, negative_buckets)
+                buckets = negative_buckets if negative else positive
+                i = index >> (MAX_SCALE - scale)
+        buckets[i] = buckets.get(i, 0) + 1
+
+
+def _downscale(buckets: dict[int, int], change: int) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for i, n in buckets.items():
+        out[i >> change] = out.get(i >> change, 0) + n
+    return out
+
+
+def _buckets_point(buckets: dict[int, int]) -> BucketsPoint:
+    if not buckets:
+        return BucketsPoint(offset=0, bucket_counts=[])
+    low, high = min(buckets), max(buckets)
+    return BucketsPoint(offset=low, bucket_counts=[buckets.get(i, 0) for i in range(low, high + 1)])
+
+
+class ExponentialHistogramCell(HistogramCell):
+    """A HistogramCell that also keeps exponential buckets: for all time (cumulative readers) and
+    per delta reader for its current interval (``intervals``, reset at each of its collects)."""
+
+    __slots__ = ("exponential", "intervals", "lock")
+
+    def __init__(self, bounds: Sequence[float], attributes: Attributes) -> None:
+        super().__init__(bounds, attributes)
+        self.exponential = ExponentialBuckets()
+        self.intervals: list[ExponentialBuckets] = []
+        self.lock = threading.Lock()  # a leaf lock: between this writer and delta readers' resets
+
+    def observe(self, value: float, exemplar: Optional[ExemplarIds] = None) -> None:
+        HistogramCell.observe(self, value, exemplar)
+        if value == 0:
+            index, negative = 0, False
+        else:
+            index, negative = _index_at_max_scale(abs(value)), value < 0
+        _add(self.exponential, value, index, negative)
+        if self.intervals:
+            with self.lock:
+                for buckets in self.intervals:
+                    _add(buckets, value, index, negative)
+
+
+def _add(buckets: ExponentialBuckets, value: float, index: int, negative: bool) -> None:
+    if value == 0:
+        buckets.zero += 1
+    else:
+        buckets.add(index, negative)
+
+
+class InProcessHistogram(Aggregation):
+    """Explicit-bucket (or exponential) histogram: in-process cells for carrier instruments,
+    the SDK's own aggregation otherwise."""
+
+    def __init__(self, boundaries: Sequence[float], exponential: bool = False) -> None:
         self._boundaries = tuple(boundaries)
-        self._standard = ExplicitBucketHistogramAggregation(boundaries=self._boundaries)
+        self.exponential = exponential
+        self._standard = (ExponentialBucketHistogramAggregation() if exponential
+                          else ExplicitBucketHistogramAggregation(boundaries=self._boundaries))
 
     @property
     def boundaries(self) -> tuple[float, ...]:
@@ -125,7 +232,31 @@ class InProcessHistogram(Aggregation):
     ) -> Any:
         if isinstance(instrument, SdkHistogram):
             return self._standard._create_aggregation(instrument, attributes, reservoir_factory, start_time_unix_nano)
+        if self.exponential:
+            return _ExponentialCellAggregation(attributes, start_time_unix_nano, reservoir_factory)
         return _CellAggregation(attributes, start_time_unix_nano, reservoir_factory, self._boundaries)
+
+
+def _bind(aggregation: Any, measurement: Any) -> None:
+    """Called with the carrier's observation just before collect: bind to its cell."""
+    if aggregation._cell is None:
+        cell = get_value(_CELL_KEY, measurement.context)
+        if isinstance(cell, HistogramCell):
+            aggregation._cell = cell
+
+
+def _new_exemplars(aggregation: Any, cell: HistogramCell, seq: int) -> list[Exemplar]:
+    """Exemplars offered since this reader's last collect: one per explicit bucket, the latest (like
+    the SDK's aligned reservoir); exponential points carry the same ones."""
+    last = aggregation._last_seq
+    aggregation._last_seq = seq
+    if seq == last:
+        return []
+    return [
+        Exemplar({}, value, at, span_id, trace_id)
+        for value, at, trace_id, span_id, n in (e for e in cell.exemplars if e is not None)
+        if n > last
+    ]
 
 
 class _CellAggregation(_ExplicitBucketHistogramAggregation):
@@ -147,11 +278,7 @@ class _CellAggregation(_ExplicitBucketHistogramAggregation):
         self._collected_at = start_time_unix_nano
 
     def aggregate(self, measurement: Any, should_sample_exemplar: bool = True) -> None:
-        # Called with the carrier's observation just before collect: bind to its cell.
-        if self._cell is None:
-            cell = get_value(_CELL_KEY, measurement.context)
-            if isinstance(cell, HistogramCell):
-                self._cell = cell
+        _bind(self, measurement)
 
     def collect(self, collection_aggregation_temporality: AggregationTemporality,
                 collection_start_nano: int) -> Optional[HistogramDataPoint]:
@@ -160,7 +287,7 @@ class _CellAggregation(_ExplicitBucketHistogramAggregation):
             return None
         counts = list(cell.counts)  # one C-level copy: consistent under the GIL
         total, cmin, cmax, seq = cell.total, cell.min, cell.max, cell.seq
-        exemplars = self._new_exemplars(cell, seq)
+        exemplars = _new_exemplars(self, cell, seq)
         if collection_aggregation_temporality is AggregationTemporality.DELTA:
             if self._window is None:  # first delta collect: the interval so far is the whole life
                 self._window = [math.inf, -math.inf]
@@ -181,18 +308,6 @@ class _CellAggregation(_ExplicitBucketHistogramAggregation):
         # (the metric hub yields only cells that have observations).
         return self._point(exemplars, self._start_time_unix_nano, collection_start_nano, counts, total, cmin, cmax)
 
-    def _new_exemplars(self, cell: HistogramCell, seq: int) -> list[Exemplar]:
-        """Exemplars offered since this reader's last collect: one per bucket, the latest (like the SDK's)."""
-        last = self._last_seq
-        self._last_seq = seq
-        if seq == last:
-            return []
-        return [
-            Exemplar({}, value, at, span_id, trace_id)
-            for value, at, trace_id, span_id, n in (e for e in cell.exemplars if e is not None)
-            if n > last
-        ]
-
     def _point(self, exemplars: list[Exemplar], start: int, now: int, counts: list[int], total: float,
                vmin: float, vmax: float) -> HistogramDataPoint:
         return HistogramDataPoint(
@@ -207,3 +322,87 @@ class _CellAggregation(_ExplicitBucketHistogramAggregation):
             min=vmin,
             max=vmax,
         )
+
+
+class _ExponentialCellAggregation(_ExponentialBucketHistogramAggregation):
+    """Per reader and attribute set: reads the bound :class:`ExponentialHistogramCell` at collect
+    time, as exponential histogram points equal to the SDK's for a synchronous histogram:
+
+    * cumulative: the cell's all-time buckets; like the SDK, an interval with nothing but zeros
+      caps this reader's scale at 0 from then on (the SDK reports scale 0 for it and merges);
+    * delta: this reader's interval buckets, new at each collect (the SDK starts a new
+      aggregation per delta interval); an interval of zeros only has scale 0.
+
+    Subclassing the SDK's exponential aggregation makes the metric reader storage wrap the
+    points as an ``ExponentialHistogram`` for every exporter.
+    """
+
+    def __init__(self, attributes: Attributes, start_time_unix_nano: int,
+                 reservoir_factory: Callable[..., Any]) -> None:
+        super().__init__(attributes, reservoir_factory(_ExponentialBucketHistogramAggregation),
+                         AggregationTemporality.CUMULATIVE, start_time_unix_nano)
+        self._cell: Optional[HistogramCell] = None
+        self._last_seq = 0
+        self._last_count = 0
+        self._last_zero = 0
+        self._max_scale = MAX_SCALE  # cumulative: lowered to 0 by an interval of zeros only
+        self._interval: Optional[ExponentialBuckets] = None  # delta
+        self._last_sum = 0.0
+        self._collected_at = start_time_unix_nano
+
+    def aggregate(self, measurement: Any, should_sample_exemplar: bool = True) -> None:
+        _bind(self, measurement)
+
+    def collect(self, collection_aggregation_temporality: AggregationTemporality,
+                collection_start_nano: int) -> Optional[ExponentialHistogramDataPoint]:
+        cell = self._cell
+        if not isinstance(cell, ExponentialHistogramCell):
+            return None
+        exemplars = _new_exemplars(self, cell, cell.seq)
+        total, cmin, cmax = cell.total, cell.min, cell.max
+        if collection_aggregation_temporality is AggregationTemporality.DELTA:
+            with cell.lock:
+                if self._interval is None:  # first delta collect: the interval so far is the whole life
+                    buckets = cell.exponential
+                    window = [math.inf, -math.inf]
+                    cell.windows.append(window)
+                    self._window, window_min, window_max = window, cmin, cmax
+                else:
+                    buckets = self._interval
+                    window_min, window_max = self._window
+                    self._window[0], self._window[1] = math.inf, -math.inf
+                self._interval = ExponentialBuckets()
+                cell.intervals = [b for b in cell.intervals if b is not buckets] + [self._interval]
+                scale, positive, negative = buckets.state
+                zero = buckets.zero
+                positive, negative = dict(positive), dict(negative)
+            start, point_sum = self._collected_at, total - self._last_sum
+            self._last_sum, self._collected_at = total, collection_start_nano
+            count = zero + sum(positive.values()) + sum(negative.values())
+            if not count:
+                return None
+            if count == zero:
+                scale = 0
+            return self._point(exemplars, start, collection_start_nano, count, point_sum, scale, zero, positive,
+                               negative, window_min, window_max)
+        buckets = cell.exponential
+        scale, positive, negative = buckets.state
+        zero = buckets.zero
+        positive, negative = dict(positive), dict(negative)
+        count = zero + sum(positive.values()) + sum(negative.values())
+        if count > self._last_count and count - self._last_count == zero - self._last_zero:
+            self._max_scale = min(self._max_scale, 0)  # the SDK's scale of an interval of zeros only
+        self._last_count, self._last_zero = count, zero
+        if scale > self._max_scale:
+            change = scale - self._max_scale
+            scale, positive, negative = self._max_scale, _downscale(positive, change), _downscale(negative, change)
+        return self._point(exemplars, self._start_time_unix_nano, collection_start_nano, count, total, scale, zero,
+                           positive, negative, cmin, cmax)
+
+    def _point(self, exemplars: list[Exemplar], start: int, now: int, count: int, total: float, scale: int,
+               zero: int, positive: dict[int, int], negative: dict[int, int], vmin: float,
+               vmax: float) -> ExponentialHistogramDataPoint:
+        return ExponentialHistogramDataPoint(
+            attributes=self._attributes, exemplars=exemplars, start_time_unix_nano=start, time_unix_nano=now,
+            count=count, sum=total, scale=scale, zero_count=zero, positive=_buckets_point(positive),
+            negative=_buckets_point(negative), flags=0, min=vmin, max=vmax)

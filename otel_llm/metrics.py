@@ -15,6 +15,7 @@ Two recorders implement the same small interface (what the telemetry observes):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -26,7 +27,7 @@ from opentelemetry.metrics import CallbackOptions, Meter, MeterProvider, Observa
 from opentelemetry.sdk.metrics.view import View
 
 from . import __version__, buckets
-from .aggregation import ExemplarIds, HistogramCell, InProcessHistogram
+from .aggregation import ExemplarIds, ExponentialHistogramCell, HistogramCell, InProcessHistogram
 from .config import TelemetryConfig
 from .events import StepStats
 from .tracker import DROP_REASONS
@@ -49,6 +50,10 @@ class MetricDef:
     semconv_buckets: Optional[tuple[float, ...]] = None  # where the GenAI conventions advise others
     label: Optional[str] = None  # extra label: "finished_reason" or "reason"
     error_type: bool = False  # semconv: a failed request's observation carries error.type
+    explicit_only: bool = False  # explicit buckets even when histograms go out exponential: they are the point
+
+    def exponential(self, config: TelemetryConfig) -> bool:
+        return self.kind == "histogram" and config.exponential and not self.explicit_only
 
     def name(self, naming: str) -> str:
         return self.vllm if naming == "vllm" else self.semconv
@@ -83,7 +88,7 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("request_num_preemptions", "histogram", "{preemption}", "vllm:request_num_preemptions",
               "llm.server.request.num_preemptions",
               "Preemptions per finished request, zero included (le=0.5: never preempted).",
-              buckets=lambda c: c.preemption_buckets),
+              buckets=lambda c: c.preemption_buckets, explicit_only=True),
     MetricDef("num_preemptions", "counter", "{preemption}", "vllm:num_preemptions", "llm.server.preemptions",
               "Preemptions (all requests)."),
     MetricDef("num_preemptions_by_reason", "counter", "{preemption}", "vllm:num_preemptions_by_reason",
@@ -180,7 +185,9 @@ def label_key(config: TelemetryConfig, label: str) -> str:
 
 
 def views(config: Optional[TelemetryConfig] = None) -> list[View]:
-    """Every View the telemetry needs: renames (``vllm:`` names) and explicit buckets.
+    """Every View the telemetry needs: renames (``vllm:`` names) and explicit buckets (or, with
+    ``config.histogram_aggregation`` base2_exponential_bucket_histogram, exponential ones for the
+    histograms that are not ``explicit_only``).
 
     Pass them when you build your own MeterProvider: ``MeterProvider(views=otel_llm.views(config))``.
     """
@@ -195,11 +202,20 @@ def views(config: Optional[TelemetryConfig] = None) -> list[View]:
         instrument = m.instrument_name(config.naming)
         rename = m.name(config.naming) if instrument != m.name(config.naming) else None
         if m.kind == "histogram":
-            aggregation = InProcessHistogram(m.boundaries(config))
+            aggregation = InProcessHistogram(m.boundaries(config), exponential=m.exponential(config))
             out.append(View(instrument_name=instrument, meter_name=SCOPE, name=rename, aggregation=aggregation))
         elif rename:
             out.append(View(instrument_name=instrument, meter_name=SCOPE, name=rename))
     return out
+
+
+def use_reader_views(meter_provider: Any, reader: Any, reader_views: Sequence[View]) -> None:
+    """Give one reader of ``meter_provider`` Views of its own (the SDK has Views per provider only):
+    OTLP readers get exponential histograms while a Prometheus reader keeps explicit buckets.
+    Before any instrument records (its streams are made from the Views on first use). Relies on
+    SDK 1.45 internals (pinned; tests/test_exponential.py)."""
+    storage = meter_provider._measurement_consumer._reader_storages[reader]
+    storage._sdk_config = dataclasses.replace(storage._sdk_config, views=list(reader_views))
 
 
 def provider_has_views(meter_provider: Any, config: TelemetryConfig) -> bool:
@@ -291,11 +307,12 @@ class _Hub:
             else:
                 meter.create_observable_counter(name, [self._histogram_callback(m.key)], m.unit, m.meaning)
 
-    def cell(self, key: str, bounds: tuple[float, ...], attributes: dict[str, str]) -> HistogramCell:
+    def cell(self, key: str, bounds: tuple[float, ...], attributes: dict[str, str],
+             exponential: bool = False) -> HistogramCell:
         ident = (key, tuple(sorted(attributes.items())))
         cell = self.cells.get(ident)
         if cell is None:
-            cell = self.cells[ident] = HistogramCell(bounds, attributes)
+            cell = self.cells[ident] = (ExponentialHistogramCell if exponential else HistogramCell)(bounds, attributes)
         return cell
 
     def before_collect(self) -> None:
@@ -399,7 +416,8 @@ class FastMetrics(Recorder):
         self.hub.recorders.add(self)
 
     def _cell(self, key: str, attributes: Optional[dict[str, str]] = None) -> HistogramCell:
-        return self.hub.cell(key, BY_KEY[key].boundaries(self.config), attributes or self.attributes)
+        m = BY_KEY[key]
+        return self.hub.cell(key, m.boundaries(self.config), attributes or self.attributes, m.exponential(self.config))
 
     def counter_values(self, key: str) -> Iterable[tuple[dict[str, str], int]]:
         if key == "num_preemptions":

@@ -32,7 +32,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExport
 from . import otlp, sdk_env
 from .accounting import CountingMetricExporter, ExportAccounting, counting_log_processor, counting_processor
 from .config import DEFAULT_DEFER_STEPS, TelemetryConfig
-from .metrics import views
+from .metrics import use_reader_views, views
 from .telemetry import EngineTelemetry
 
 _log = logging.getLogger(__name__)
@@ -155,17 +155,24 @@ def setup_telemetry(config: Optional[TelemetryConfig] = None, *,
         readers.append(prometheus.reader)
     interval = config.metric_export_interval_ms or 60_000
     accounting = ExportAccounting()
+    otlp_reader = None
     if "otlp" in metrics_exporters:
         exporter = CountingMetricExporter(otlp.exporter(config, env, "metrics"), accounting)
-        readers.append(PeriodicExportingMetricReader(exporter,
-                                                     export_interval_millis=interval))
+        otlp_reader = PeriodicExportingMetricReader(exporter, export_interval_millis=interval)
+        readers.append(otlp_reader)
     if "console" in metrics_exporters:
         readers.append(PeriodicExportingMetricReader(ConsoleMetricExporter(), export_interval_millis=interval))
     readers.extend(extra_metric_readers)
 
     filter_name = config.exemplar_filter or "trace_based"
-    meter_provider = MeterProvider(metric_readers=readers, resource=resource, views=views(config) + list(extra_views),
+    # The histogram-aggregation variable is OTLP's: the other readers (Prometheus, console) keep
+    # explicit buckets, and the OTLP reader gets Views of its own.
+    explicit = dataclasses.replace(config, histogram_aggregation=None)
+    meter_provider = MeterProvider(metric_readers=readers, resource=resource,
+                                   views=views(explicit) + list(extra_views),
                                    exemplar_filter=_EXEMPLAR_FILTERS[filter_name]())
+    if config.exponential and otlp_reader is not None:
+        use_reader_views(meter_provider, otlp_reader, views(config) + list(extra_views))
     tracer_provider = TracerProvider(resource=resource)
     if "otlp" in traces_exporters:
         tracer_provider.add_span_processor(counting_processor(otlp.exporter(config, env, "traces"), accounting))
