@@ -70,7 +70,8 @@ def test_a_fleet_of_engine_processes_adds_up_exactly_at_the_collector(clean_env,
     with start_otlp_sink("grpc") as sink, backend("rotel"), start_rotel(forward_to=sink.endpoint) as rotel:
         env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
         env.update(ENGINE_STUB_PLUGINS="otel", OTEL_METRICS_EXPORTER="otlp", OTEL_TRACES_EXPORTER="otlp",
-                   OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{rotel.grpc_port}", OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
+                   OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{rotel.grpc_port}",
+                   OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
                    OTEL_METRIC_EXPORT_INTERVAL="500", OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE=temporality)
         procs = [subprocess.Popen([sys.executable, "-m", "engine_stub", "--requests", str(REQUESTS), "--seed", str(i),
                                    "--kv-blocks", "24"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
