@@ -10,6 +10,7 @@ medians (and the median of per-repetition ratios).
 from __future__ import annotations
 
 import cProfile
+import dataclasses
 import gc
 import io
 import math
@@ -26,11 +27,19 @@ from .workload import EventMix, event_mix
 # defer_steps as setup_telemetry sets it: the engine plugins' path.
 CONFIG = TelemetryConfig(model_name="bench", spans=False, defer_steps=DEFAULT_DEFER_STEPS)
 CONFIG_SPANS = TelemetryConfig(model_name="bench", spans=True, defer_steps=DEFAULT_DEFER_STEPS)
+CONFIG_LOG = dataclasses.replace(CONFIG_SPANS, preemption_events="log")
+CONFIG_BOTH = dataclasses.replace(CONFIG_SPANS, preemption_events="both")
+CONFIG_EXPONENTIAL = dataclasses.replace(CONFIG, histogram_aggregation="base2_exponential_bucket_histogram")
 
 SUBSCRIBERS: dict[str, tuple[str, Callable[[], Any]]] = {
     "ours": ("EngineTelemetry, fast path, spans off", lambda: otel_subscriber(CONFIG)),
     "ours_spans": ("EngineTelemetry, fast path, spans on (BatchSpanProcessor, null exporter)",
                    lambda: otel_subscriber(CONFIG_SPANS)),
+    "ours_spans_log": ("ours_spans with preemption_events=log (BatchLogRecordProcessor, null exporter)",
+                       lambda: otel_subscriber(CONFIG_LOG)),
+    "ours_spans_both": ("ours_spans with preemption_events=both", lambda: otel_subscriber(CONFIG_BOTH)),
+    "ours_exponential": ("ours with exponential histograms (cells keep base-2 buckets too)",
+                         lambda: otel_subscriber(CONFIG_EXPONENTIAL)),
     "floor": ("(a) floor: stats[k] += 1 per event", CountingSubscriber),
     "prometheus_client": ("(b) vLLM-style prometheus_client, bound children, same Tracker",
                           lambda: PrometheusClientSubscriber(CONFIG)),
@@ -97,7 +106,8 @@ def sanity(mix: EventMix) -> dict[str, Any]:
         "num_preemptions_hist_count": float(floor.stats[EventType.FINISHED]),
     }
     totals: dict[str, dict[str, float]] = {"floor (event counts)": expected}
-    for name in ("ours", "ours_spans", "prometheus_client", "naive_otel"):
+    for name in ("ours", "ours_spans", "ours_spans_log", "ours_spans_both", "ours_exponential", "prometheus_client",
+                 "naive_otel"):
         sub = SUBSCRIBERS[name][1]()
         replay(sub, everything)
         totals[name] = sub.totals()
@@ -158,6 +168,12 @@ def run(tiny: bool, reps: int) -> dict[str, Any]:
             "naive_otel/prometheus_client": ratio(ns["naive_otel"], ns["prometheus_client"]),
             "ours_spans/prometheus_client": ratio(ns["ours_spans"], ns["prometheus_client"]),
             "ours_spans/floor": ratio(ns["ours_spans"], ns["floor"]),
+            "ours_spans_log/prometheus_client": ratio(ns["ours_spans_log"], ns["prometheus_client"]),
+            "ours_spans_both/prometheus_client": ratio(ns["ours_spans_both"], ns["prometheus_client"]),
+            "ours_spans_log/ours_spans": ratio(ns["ours_spans_log"], ns["ours_spans"]),
+            "ours_spans_both/ours_spans": ratio(ns["ours_spans_both"], ns["ours_spans"]),
+            "ours_exponential/ours": ratio(ns["ours_exponential"], ns["ours"]),
+            "ours_exponential/prometheus_client": ratio(ns["ours_exponential"], ns["prometheus_client"]),
         },
         "sanity": check,
     }
@@ -165,6 +181,11 @@ def run(tiny: bool, reps: int) -> dict[str, Any]:
     out["ratios_paired_median"] = {
         "ours/prometheus_client": median([a / b for a, b in zip(measured["ours"], measured["prometheus_client"])]),
         "ours/floor": median([a / b for a, b in zip(measured["ours"], measured["floor"])]),
+        "ours_spans_log/ours_spans": median([a / b for a, b in zip(measured["ours_spans_log"],
+                                                                    measured["ours_spans"])]),
+        "ours_spans_both/ours_spans": median([a / b for a, b in zip(measured["ours_spans_both"],
+                                                                     measured["ours_spans"])]),
+        "ours_exponential/ours": median([a / b for a, b in zip(measured["ours_exponential"], measured["ours"])]),
     }
     out["proposals"] = {
         "equal_totals": proposals.check_equal(mix),
@@ -186,5 +207,7 @@ def run(tiny: bool, reps: int) -> dict[str, Any]:
     out["targets"] = {
         "ours <= 1.0x prometheus_client": out["ratios"]["ours/prometheus_client"] <= 1.0,
         "ours <= 5x floor": out["ratios"]["ours/floor"] <= 5.0,
+        "ours_spans_log <= 1.0x prometheus_client": out["ratios"]["ours_spans_log/prometheus_client"] <= 1.0,
+        "ours_spans_both <= 1.0x prometheus_client": out["ratios"]["ours_spans_both/prometheus_client"] <= 1.0,
     }
     return out

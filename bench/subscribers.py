@@ -197,6 +197,20 @@ class _NullSpanExporter:
         return True
 
 
+class _NullLogExporter:
+    """Log record exporter that accepts and drops: measures the processor, not a network."""
+
+    def export(self, batch: Any) -> Any:
+        from opentelemetry.sdk._logs.export import LogRecordExportResult
+        return LogRecordExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        pass
+
+    def force_flush(self, timeout_millis: int = 30_000) -> bool:
+        return True
+
+
 @dataclass
 class OtelSubscriber:
     """An EngineTelemetry with the providers and the in-memory reader it records into."""
@@ -205,6 +219,7 @@ class OtelSubscriber:
     meter_provider: Any
     reader: Any
     tracer_provider: Any = None
+    logger_provider: Any = None
 
     def on_events(self, events: Sequence[RequestEvent]) -> None:
         self.telemetry.on_events(events)
@@ -215,8 +230,9 @@ class OtelSubscriber:
     def shutdown(self) -> None:
         self.telemetry.shutdown()
         self.meter_provider.shutdown()
-        if self.tracer_provider is not None:
-            self.tracer_provider.shutdown()
+        for provider in (self.tracer_provider, self.logger_provider):
+            if provider is not None:
+                provider.shutdown()
 
     def totals(self) -> dict[str, float]:
         data = self.reader.get_metrics_data()
@@ -249,7 +265,8 @@ class OtelSubscriber:
 
 def otel_subscriber(config: TelemetryConfig, *, fast_path: Optional[bool] = None,
                     span_processor: str = "batch") -> OtelSubscriber:
-    """EngineTelemetry on a fresh MeterProvider(views=otel_llm.views(config)) + InMemoryMetricReader."""
+    """EngineTelemetry on a fresh MeterProvider(views=otel_llm.views(config)) + InMemoryMetricReader;
+    with log events on, a LoggerProvider with a BatchLogRecordProcessor to a null exporter."""
     import otel_llm
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
@@ -264,8 +281,16 @@ def otel_subscriber(config: TelemetryConfig, *, fast_path: Optional[bool] = None
         processor = (BatchSpanProcessor(_NullSpanExporter(), max_queue_size=65536) if span_processor == "batch"
                      else SimpleSpanProcessor(_NullSpanExporter()))
         tp.add_span_processor(processor)
-    telemetry = otel_llm.EngineTelemetry(config, meter_provider=mp, tracer_provider=tp, fast_path=fast_path)
-    return OtelSubscriber(telemetry, mp, reader, tp)
+    lp = None
+    if config.log_events:
+        from opentelemetry.sdk._logs import LoggerProvider
+        from opentelemetry.sdk._logs.export import BatchLogRecordProcessor
+
+        lp = LoggerProvider(shutdown_on_exit=False)
+        lp.add_log_record_processor(BatchLogRecordProcessor(_NullLogExporter(), max_queue_size=65536))
+    telemetry = otel_llm.EngineTelemetry(config, meter_provider=mp, tracer_provider=tp, logger_provider=lp,
+                                         fast_path=fast_path)
+    return OtelSubscriber(telemetry, mp, reader, tp, lp)
 
 
 Factory = Callable[[], Any]

@@ -41,6 +41,7 @@ from opentelemetry.sdk.metrics._internal.aggregation import (
     _ExponentialBucketHistogramAggregation,
 )
 from opentelemetry.sdk.metrics._internal.exemplar import Exemplar
+from opentelemetry.sdk.metrics._internal.exponential_histogram.mapping.ieee_754 import MIN_NORMAL_VALUE
 from opentelemetry.sdk.metrics._internal.exponential_histogram.mapping.logarithm_mapping import LogarithmMapping
 from opentelemetry.sdk.metrics._internal.point import Buckets as BucketsPoint
 from opentelemetry.sdk.metrics._internal.point import ExponentialHistogramDataPoint, HistogramDataPoint
@@ -123,7 +124,22 @@ class HistogramCell:
 # The SDK's exponential histogram defaults (OTel spec): 160 buckets per sign, from scale 20.
 MAX_SCALE = 20
 MAX_SIZE = 160
-_index_at_max_scale = LogarithmMapping(MAX_SCALE).map_to_index
+_MAPPING = LogarithmMapping(MAX_SCALE)
+_SCALE_FACTOR = _MAPPING._scale_factor
+_MIN_NORMAL_INDEX = _MAPPING._min_normal_lower_boundary_index
+_MAX_NORMAL_INDEX = _MAPPING._max_normal_lower_boundary_index
+
+
+def _index_at_max_scale(value: float) -> int:
+    """LogarithmMapping(20).map_to_index(value) for value > 0, the same arithmetic, inlined
+    (frexp's mantissa is 0.5 exactly for powers of two)."""
+    if value <= MIN_NORMAL_VALUE:
+        return _MIN_NORMAL_INDEX - 1
+    mantissa, exponent = math.frexp(value)
+    if mantissa == 0.5:
+        return ((exponent - 1) << MAX_SCALE) - 1
+    index = math.floor(math.log(value) * _SCALE_FACTOR)
+    return index if index < _MAX_NORMAL_INDEX else _MAX_NORMAL_INDEX
 
 
 class ExponentialBuckets:
@@ -191,11 +207,18 @@ class ExponentialHistogramCell(HistogramCell):
 
     def observe(self, value: float, exemplar: Optional[ExemplarIds] = None) -> None:
         HistogramCell.observe(self, value, exemplar)
-        if value == 0:
-            index, negative = 0, False
+        if value > 0:  # the common case inline: a positive value into a bucket that exists
+            index, negative = _index_at_max_scale(value), False
+            scale, positive, _ = self.exponential.state
+            i = index >> (MAX_SCALE - scale)
+            count = positive.get(i)
+            if count is not None:
+                positive[i] = count + 1
+            else:
+                self.exponential.add(index, False)
         else:
-            index, negative = _index_at_max_scale(abs(value)), value < 0
-        _add(self.exponential, value, index, negative)
+            index, negative = (_index_at_max_scale(-value), True) if value < 0 else (0, False)
+            _add(self.exponential, value, index, negative)
         if self.intervals:
             with self.lock:
                 for buckets in self.intervals:

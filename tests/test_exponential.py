@@ -219,3 +219,12 @@ def test_reader_views_give_one_reader_exponential_and_another_explicit():
         assert hasattr(pa, "explicit_bounds") and hasattr(pb, "scale") and pa.count == pb.count > 0
     (pa,), (pb,) = a["vllm:request_num_preemptions"], b["vllm:request_num_preemptions"]
     assert pa.bucket_counts == pb.bucket_counts and pa.count == 5
+
+
+def test_inlined_index_is_the_sdk_mapping():
+    from otel_llm.aggregation import _MAPPING, _index_at_max_scale
+
+    rnd = random.Random(5)
+    values = [rnd.lognormvariate(0, 10) for _ in range(20000)] + [2.0 ** k for k in range(-1074, 1024)]
+    values += [5e-324, 1e-310, 2.2250738585072014e-308, 1.7976931348623157e308, 3.0, 1.0, 0.1]
+    assert [_index_at_max_scale(v) for v in values] == [_MAPPING.map_to_index(v) for v in values]
