@@ -68,16 +68,20 @@ class ServerFailed(RuntimeError):
 
 class VllmServer:
     """``python -m vllm.entrypoints.openai.api_server`` on free loopback ports, with the plugin
-    configured by ``env`` (``OTEL_*``). ``start()`` waits until ``/health`` answers."""
+    configured by ``env`` (``OTEL_*``). ``start()`` waits until ``/health`` answers.
+
+    ``cli=True`` runs ``vllm serve`` instead (through :mod:`otel_llm.integrations.vllm_cli`), for
+    the modes that only the command has: ``--api-server-count``, ``--data-parallel-size``."""
 
     def __init__(self, model: Path, env: Mapping[str, str] = (), args: Sequence[str] = (),
-                 log_path: Optional[Path] = None) -> None:
+                 log_path: Optional[Path] = None, cli: bool = False) -> None:
         self.model = model
         self.port = free_port()
         self.metrics_port = free_port()  # the plugin's own /metrics
         self.env = server_environment({"OTEL_METRICS_EXPORTER": "prometheus", "OTEL_TRACES_EXPORTER": "none",
                                        "OTEL_EXPORTER_PROMETHEUS_PORT": str(self.metrics_port), **dict(env)})
         self.args = list(args)
+        self.cli = cli
         self.log_path = log_path or Path(tempfile.mkdtemp(prefix="vllm-server-")) / "server.log"
         self.proc: Optional[subprocess.Popen] = None
 
@@ -90,8 +94,9 @@ class VllmServer:
         return f"http://{LOOPBACK}:{self.metrics_port}/metrics"
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
-                "--served-model-name", MODEL_NAME, "--host", LOOPBACK, "--port", str(self.port),
+        start = (["-m", "otel_llm.integrations.vllm_cli", "serve", str(self.model)] if self.cli
+                 else ["-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model)])
+        return [sys.executable, *start, "--served-model-name", MODEL_NAME, "--host", LOOPBACK, "--port", str(self.port),
                 *SERVER_ARGS, *self.args]
 
     def start(self, timeout_s: float = 600.0, progress: Any = None) -> "VllmServer":
