@@ -64,6 +64,7 @@ class TelemetryConfig:
     logs_exporters: Optional[tuple[str, ...]] = None  # OTEL_LOGS_EXPORTER, default otlp (log events only)
     prometheus_host: Optional[str] = None  # default 127.0.0.1 (never all interfaces by default)
     prometheus_port: Optional[int] = None  # default 9464 when "prometheus" is an exporter
+    prometheus_ports: int = 1  # consecutive ports from prometheus_port to try: one per process on a host
     otlp_protocol: Optional[str] = None  # grpc (default) or http/protobuf
     otlp_endpoint: Optional[str] = None  # else OTEL_EXPORTER_OTLP_[SIGNAL_]ENDPOINT
     metric_export_interval_ms: Optional[int] = None  # OTEL_METRIC_EXPORT_INTERVAL, default 60000
@@ -101,7 +102,8 @@ class TelemetryConfig:
         _check(isinstance(self.resource_attributes, Mapping)
                and all(isinstance(k, str) and isinstance(v, str) for k, v in self.resource_attributes.items()),
                "resource_attributes", self.resource_attributes, "must be a mapping of str to str")
-        for name in ("max_model_len", "max_inflight_requests", "max_label_values", "content_max_length"):
+        for name in ("max_model_len", "max_inflight_requests", "max_label_values", "content_max_length",
+                     "prometheus_ports"):
             value = getattr(self, name)
             _check(_is_int(value) and value >= 1, name, value, "must be an integer >= 1")
         if self.defer_steps is not None:
@@ -259,6 +261,7 @@ _ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
     "OTEL_LOGS_EXPORTER": ("logs_exporters", lambda t: tuple(t.split(","))),
     "OTEL_EXPORTER_PROMETHEUS_HOST": ("prometheus_host", str),
     "OTEL_EXPORTER_PROMETHEUS_PORT": ("prometheus_port", _int),
+    "OTEL_LLM_PROMETHEUS_PORTS": ("prometheus_ports", _int),
     "OTEL_EXPORTER_OTLP_PROTOCOL": ("otlp_protocol", str.lower),
     "OTEL_EXPORTER_OTLP_ENDPOINT": ("otlp_endpoint", str),
     "OTEL_METRIC_EXPORT_INTERVAL": ("metric_export_interval_ms", _float_or_int),

@@ -294,6 +294,8 @@ class PrometheusEndpoint:
 
     ``reader`` exists right after construction (pass it in ``MeterProvider(metric_readers=...)``);
     ``start()`` binds and serves in a daemon thread; ``shutdown()`` stops and unregisters.
+    ``ports``: how many consecutive ports from ``port`` to try, the first free one taken (each
+    engine process on a host then gets its own: ``port``, ``port + 1``, ...).
     """
 
     def __init__(
@@ -301,6 +303,7 @@ class PrometheusEndpoint:
         host: str = "127.0.0.1",
         port: int = 9464,
         *,
+        ports: int = 1,
         # The otel_scope_name/version/schema_url labels would double the output (and the time a
         # scrape holds the GIL, DESIGN.md §8) while carrying nothing: all our instruments come
         # from one scope. Off.
@@ -310,6 +313,7 @@ class PrometheusEndpoint:
     ) -> None:
         self.host = host
         self.port = int(port)
+        self.ports = int(ports)
         self.registry = CollectorRegistry(auto_describe=False)
         self.reader: MetricReader = ExemplarPrometheusMetricReader(
             self.registry,
@@ -333,13 +337,18 @@ class PrometheusEndpoint:
                 raise RuntimeError("PrometheusEndpoint was shut down")
             if self._server is not None:
                 return
-            try:
-                server = _Server((self.host.strip("[]"), self.port), _Handler, self.registry)
-            except OSError as exc:
-                raise OSError(
-                    exc.errno,
-                    f"otel_llm Prometheus endpoint cannot bind {self.host}:{self.port}: {exc.strerror or exc}",
-                ) from exc
+            server = None
+            candidates = [self.port] if self.port == 0 else list(range(self.port, min(self.port + self.ports, 65536)))
+            for port in candidates:
+                try:
+                    server = _Server((self.host.strip("[]"), port), _Handler, self.registry)
+                    break
+                except OSError as exc:
+                    error = exc
+            if server is None:
+                where = f"{self.host}:{self.port}" + (f"..{candidates[-1]}" if len(candidates) > 1 else "")
+                raise OSError(error.errno,
+                              f"otel_llm Prometheus endpoint cannot bind {where}: {error.strerror or error}") from error
             self._server = server
             self.port = server.server_address[1]
             self._thread = threading.Thread(

@@ -150,7 +150,7 @@ def setup_telemetry(config: Optional[TelemetryConfig] = None, *,
 
         host = config.prometheus_host or DEFAULT_PROMETHEUS_HOST
         port = DEFAULT_PROMETHEUS_PORT if config.prometheus_port is None else config.prometheus_port
-        prometheus = PrometheusEndpoint(host, port)
+        prometheus = PrometheusEndpoint(host, port, ports=config.prometheus_ports)
         prometheus.start()
         readers.append(prometheus.reader)
     interval = config.metric_export_interval_ms or 60_000

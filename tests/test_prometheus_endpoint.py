@@ -15,6 +15,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import REGISTRY
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
+from otel_llm import TelemetryConfig, setup_telemetry
 from otel_llm.prometheus import PrometheusEndpoint
 
 BOUNDS = (0.5, 1, 2, 3, 4, 5, 10, 20)
@@ -305,3 +306,24 @@ def test_ipv6_loopback():
         _scrape(endpoint.url)
     finally:
         endpoint.shutdown()
+
+
+def test_processes_on_one_host_take_consecutive_ports_from_the_base(clean_env):
+    """OTEL_LLM_PROMETHEUS_PORTS=N: each process binds the first free port of base..base+N-1."""
+    from backends import free_port
+
+    base = free_port()
+    config = TelemetryConfig.from_env({"OTEL_METRICS_EXPORTER": "prometheus", "OTEL_TRACES_EXPORTER": "none",
+                                       "OTEL_EXPORTER_PROMETHEUS_PORT": str(base), "OTEL_LLM_PROMETHEUS_PORTS": "2"})
+    first, second = setup_telemetry(config), setup_telemetry(config)
+    try:
+        assert (first.prometheus_port, second.prometheus_port) == (base, base + 1)
+        with pytest.raises(OSError, match=rf"cannot bind 127.0.0.1:{base}..{base + 1}"):
+            setup_telemetry(config)
+        single = TelemetryConfig.from_env({"OTEL_METRICS_EXPORTER": "prometheus", "OTEL_TRACES_EXPORTER": "none",
+                                           "OTEL_EXPORTER_PROMETHEUS_PORT": str(base)})
+        with pytest.raises(OSError, match=rf"cannot bind 127.0.0.1:{base}: "):
+            setup_telemetry(single)
+    finally:
+        first.shutdown()
+        second.shutdown()

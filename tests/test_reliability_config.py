@@ -114,6 +114,7 @@ BAD_ENV = [
     ("OTEL_LLM_RECORD_CONTENT", "2", ("not a boolean",)),
     ("OTEL_LLM_CONTENT_MAX_LENGTH", "abc", ("not an integer",)),
     ("OTEL_LLM_DEFER_STEPS", "0", (">= 1",)),
+    ("OTEL_LLM_PROMETHEUS_PORTS", "0", (">= 1",)),
     ("OTEL_METRICS_EXPORTER", "otlp,jaeger", ("is not one of",)),
     ("OTEL_TRACES_EXPORTER", "prometheus", ("is not one of",)),
     ("OTEL_EXPORTER_PROMETHEUS_HOST", None, ()),  # blank = unset; any other string is a host

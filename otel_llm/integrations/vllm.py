@@ -166,8 +166,8 @@ def _setup(config: Any, extra_views: Sequence[Any]) -> Any:
     except OSError as exc:
         exporters = config.with_env_defaults(os.environ).metrics_exporters or ()
         others = tuple(e for e in exporters if e != "prometheus") or ("none",)
-        _log.warning("otel-llm: no /metrics endpoint in this process (%s); metrics exporters %s and traces go on",
-                     exc, ",".join(others))
+        _log.warning("otel-llm: no /metrics endpoint in this process (%s; OTEL_LLM_PROMETHEUS_PORTS=N gives each "
+                     "process on a host a port of its own); metrics exporters %s and traces go on", exc, ",".join(others))
         return setup_telemetry(dataclasses.replace(config, metrics_exporters=others), extra_views=extra_views)
 
 
