@@ -19,13 +19,14 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from . import export, memory, per_event, throughput, vllm_engine
+from . import export, memory, outage, per_event, throughput, vllm_engine
 
 SECTIONS: dict[str, Callable[[bool, int], dict[str, Any]]] = {
     "per_event": per_event.run,
     "throughput": throughput.run,
     "memory": memory.run,
     "export": export.run,
+    "outage": outage.run,
 }
 HERE = Path(__file__).resolve().parent
 # Written by their own command in another environment (python -m bench.vllm_engine, in
@@ -165,6 +166,20 @@ def table(r: dict[str, Any]) -> str:
                          f"{_f(row['render_ratio_ours/prometheus_client'], '{:.2f}'):>7}")
     if isinstance(r.get(vllm_engine.KEY), dict):
         lines += ["", *vllm_engine.table_lines(r[vllm_engine.KEY])]
+    out = r.get("outage", {})
+    if "telemetry_share" in out:
+        lines += ["", f"6. collector outage ({out['requests']} requests, {out['repetitions']} reps, engines in lockstep; "
+                      "share: the telemetry's CPU per engine CPU)",
+                  f"   {'variant':<20}{'tokens/s':>10}{'paired/off':>12}{'share':>8}{'hooks us':>10}{'threads us':>12}"]
+        for name, tps in out["tokens_per_s"].items():
+            paired = out["ratios_paired_median"].get(f"{name}/off", 1.0)
+            lines.append(f"   {name:<20}{_f(tps):>10}{_f(paired, '{:.3f}'):>12}"
+                         f"{_f(out['telemetry_share'].get(name, 0.0), '{:.4f}'):>8}"
+                         f"{_f(out['hooks_cpu_us_per_step'].get(name, 0.0), '{:.1f}'):>10}"
+                         f"{_f(out['threads_cpu_us_per_step'].get(name, 0.0), '{:.1f}'):>12}")
+        lines.append("   extra share vs healthy: " + ", ".join(
+            f"{k} {v:+.4f}" for k, v in out["extra_share_vs_healthy"].items()))
+        lines.append("   targets: " + ", ".join(f"{k}: {'met' if ok else 'MISSED'}" for k, ok in out["targets"].items()))
     for name in SECTIONS:
         if isinstance(r.get(name), dict) and "error" in r[name]:
             lines.append(f"\n{name}: ERROR {r[name]['error']}")

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SECTIONS = ("per_event", "throughput", "memory", "export")
+SECTIONS = ("per_event", "throughput", "memory", "export", "outage")
 
 
 def _numbers(value, path="$"):
@@ -61,5 +61,9 @@ def test_bench_tiny_writes_every_section(tmp_path: Path) -> None:
     mem = results["memory"]
     assert mem["rss_after_finished"]["finished_counted"] >= mem["rss_after_finished"]["requests"]
     assert set(results["export"]["by_engines"]) == {"1", "8", "64"}
+    outage = results["outage"]
+    requests = outage["requests"]
+    assert outage["spans_delivered"] == {"healthy": requests, "outage": 0, "outage_no_backoff": 0}
+    assert outage["spans_dropped"] == {"healthy": 0, "outage": requests, "outage_no_backoff": requests}
     assert "profile" in results and results["profile"]["ours"]["top_cumulative"]
     assert "1. per-event cost" in proc.stdout  # the table
