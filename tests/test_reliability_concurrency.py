@@ -2,15 +2,17 @@
 
 Two threads publish two engines' worth of requests (disjoint ids) into the same telemetry
 while a third collects in a tight loop and a PeriodicExportingMetricReader exports every few
-milliseconds. Checked: no deadlock (every join has a timeout), no torn point (count equals the
-sum of bucket counts in every collected or exported histogram point, cumulative counts never go
-down), and exact totals (equal to a single-threaded run of the same events).
+milliseconds. At CHECKPOINTS points of its work, each publisher waits until a collection and an
+export have each begun and ended since, so both run between the publishers' batches however fast
+or slow the machine is. Checked: no deadlock (every wait and join has a timeout), no torn point
+(count equals the sum of bucket counts in every collected or exported histogram point,
+cumulative counts never go down), and exact totals (equal to a single-threaded run of the same
+events).
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any, Sequence
 
 import pytest
@@ -29,7 +31,8 @@ from otel_llm.hooks import HookBus
 
 E = EventType
 N_REQUESTS = 4000  # per thread
-JOIN_TIMEOUT = 60.0
+CHECKPOINTS = 8  # per publisher
+JOIN_TIMEOUT = 120.0  # a safety bound: deadlock
 
 
 def request_events(prefix: str, i: int) -> list[list[RequestEvent]]:
@@ -60,17 +63,37 @@ def engine_batches(prefix: str) -> list[list[RequestEvent]]:
     return out
 
 
-class CheckingExporter(MetricExporter):
-    """Checks every exported histogram point; counts exports."""
+class Progress:
+    """How many collections and exports have ended; publishers wait for more of them."""
 
     def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self.done = {"collections": 0, "exports": 0}
+
+    def one_more(self, kind: str) -> None:
+        with self._changed:
+            self.done[kind] += 1
+            self._changed.notify_all()
+
+    def wait_for_both(self) -> None:
+        """Until a collection and an export have each begun and ended after this call."""
+        with self._changed:
+            seen = dict(self.done)  # the one under way may have read the data before this point
+            ok = self._changed.wait_for(lambda: all(self.done[k] >= seen[k] + 2 for k in seen), JOIN_TIMEOUT)
+        assert ok, f"no collection or export in {JOIN_TIMEOUT} s: deadlock ({self.done})"
+
+
+class CheckingExporter(MetricExporter):
+    """Checks every exported histogram point; reports each export to ``progress``."""
+
+    def __init__(self, progress: Progress) -> None:
         super().__init__()
-        self.exports = 0
+        self.progress = progress
         self.problems: list[str] = []
 
     def export(self, metrics_data: Any, timeout_millis: float = 10_000, **kwargs: Any) -> MetricExportResult:
-        self.exports += 1
         self.problems += torn_points(metrics_data)
+        self.progress.one_more("exports")
         return MetricExportResult.SUCCESS
 
     def force_flush(self, timeout_millis: float = 10_000) -> bool:
@@ -107,7 +130,7 @@ def build(two_engines: bool, defer_steps: int = 1
           ) -> tuple[MeterProvider, InMemoryMetricReader, CheckingExporter, list[EngineTelemetry]]:
     config = TelemetryConfig(model_name="m", spans=False, defer_steps=defer_steps)
     reader = InMemoryMetricReader()
-    exporter = CheckingExporter()
+    exporter = CheckingExporter(Progress())
     periodic = PeriodicExportingMetricReader(exporter, export_interval_millis=5)
     provider = MeterProvider(metric_readers=[reader, periodic], views=otel_llm.views(config))
     first = EngineTelemetry(config, meter_provider=provider)
@@ -121,17 +144,20 @@ def build(two_engines: bool, defer_steps: int = 1
 @pytest.mark.parametrize("two_engines", [False, True], ids=["one_telemetry", "two_telemetries_one_provider"])
 def test_two_publishers_a_collector_and_an_exporter(two_engines, defer_steps):
     provider, reader, exporter, telemetries = build(two_engines, defer_steps)
+    progress = exporter.progress
     work = [engine_batches("a"), engine_batches("b")]
     stop = threading.Event()
     problems: list[str] = []
-    collects = [0]
     errors: list[BaseException] = []
 
     def publish(telemetry: EngineTelemetry, batches: Sequence[list[RequestEvent]]) -> None:
         try:
             bus = HookBus()
             bus.subscribe(telemetry)
-            for batch in batches:
+            every = len(batches) // CHECKPOINTS
+            for i, batch in enumerate(batches):
+                if i % every == 0:
+                    progress.wait_for_both()
                 bus.publish(batch)
             assert bus.errors == {}, bus.errors
         except BaseException as exc:  # noqa: BLE001 - reported by the main thread
@@ -149,14 +175,13 @@ def test_two_publishers_a_collector_and_an_exporter(two_engines, defer_steps):
                         if p.count < last.get(key, 0):
                             problems.append(f"{name}: cumulative count went down {last[key]} -> {p.count}")
                         last[key] = p.count
-                collects[0] += 1
+                progress.one_more("collections")
         except BaseException as exc:  # noqa: BLE001
             errors.append(exc)
 
     collector = threading.Thread(target=collect, daemon=True)
     publishers = [threading.Thread(target=publish, args=(telemetries[i], work[i]), daemon=True) for i in range(2)]
     collector.start()
-    start = time.monotonic()
     for th in publishers:
         th.start()
     for th in publishers:
@@ -165,14 +190,12 @@ def test_two_publishers_a_collector_and_an_exporter(two_engines, defer_steps):
     stop.set()
     collector.join(JOIN_TIMEOUT)
     assert not collector.is_alive(), "the collector is stuck: deadlock"
-    elapsed = time.monotonic() - start
     assert not errors, errors
     provider.force_flush(10_000)
     final = reader.get_metrics_data()
     provider.shutdown()
     assert not problems, problems[:5]
     assert not exporter.problems, exporter.problems[:5]
-    assert collects[0] > 5 and exporter.exports > 5, (collects[0], exporter.exports, elapsed)
 
     # Exact: the same events, one thread, nothing collecting in between.
     ref_provider, ref_reader, _, ref_telemetries = build(two_engines)

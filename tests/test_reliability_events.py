@@ -382,7 +382,7 @@ def random_event(draw: Any) -> Any:
 
 
 @pytest.mark.parametrize("fast_path", [True, False], ids=["fast", "sdk"])
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(events=st.lists(random_event(), max_size=60), data=st.data())
 def test_random_streams_never_raise_never_tear_and_never_hit_internal_errors(events, data, fast_path):
     rig = Rig(fast_path, max_inflight=3)
@@ -473,7 +473,7 @@ def test_a_million_distinct_unknown_ids_and_evictions_stay_bounded():
         # Unknown ids leave nothing behind; the cap bounds the rest (1000 in flight + 1000 ids remembered).
         assert after_unknown < 1_000_000, f"10^6 unknown ids grew memory by {after_unknown} bytes"
         assert growth < 5_000_000, f"memory grew by {growth} bytes"
-        assert elapsed < 120, elapsed
+        assert elapsed < 600, f"{elapsed:.0f} s: more than constant time per event?"  # a safety bound (~25 s here)
     finally:
         rig.close()
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import signal
 import threading
-import time
 import urllib.request
 from typing import Any
 
@@ -35,6 +35,7 @@ from otel_llm.hooks import HookBus
 
 E = EventType
 NO_EXPORTERS = dict(metrics_exporters=("none",), traces_exporters=("none",))
+CHILD_TIMEOUT_S = 120  # a safety bound on a forked child (a few seconds' work): deadlock
 
 
 class LastExport(MetricExporter):
@@ -133,15 +134,17 @@ def test_in_flight_cap_evicts_the_oldest_request_counted_and_marked():
 
 
 def _wait_child(pid: int, timeout: float) -> int:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.02)
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    raise AssertionError(f"forked child {pid} did not exit within {timeout}s (deadlock?)")
+    """The child's exit code, once it exits (its pidfd becomes readable), within ``timeout`` s."""
+    pidfd = os.pidfd_open(pid)
+    try:
+        exited, _, _ = select.select([pidfd], [], [], timeout)
+    finally:
+        os.close(pidfd)
+    if not exited:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        raise AssertionError(f"forked child {pid} did not exit within {timeout}s (deadlock?)")
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
 
 
 def _in_child(body) -> int:
@@ -150,7 +153,7 @@ def _in_child(body) -> int:
     if pid == 0:  # child: never return into pytest
         code = 99
         try:
-            signal.alarm(20)  # a deadlocked child dies instead of hanging
+            signal.alarm(CHILD_TIMEOUT_S)  # a deadlocked child dies instead of hanging
             code = body()
         except BaseException:  # noqa: BLE001
             import traceback
@@ -159,7 +162,7 @@ def _in_child(body) -> int:
             code = 98
         finally:
             os._exit(code)
-    return _wait_child(pid, 30)
+    return _wait_child(pid, CHILD_TIMEOUT_S + 30)
 
 
 @pytest.mark.parametrize("lock_held_at_fork", [False, True], ids=["idle", "lock_held_by_another_thread"])
@@ -177,7 +180,7 @@ def test_forked_child_keeps_working_telemetry(lock_held_at_fork):
         def hold() -> None:
             with telemetry._lock:
                 acquired.set()
-                release.wait(30)
+                release.wait(CHILD_TIMEOUT_S + 60)
 
         holder = threading.Thread(target=hold, daemon=True)
         holder.start()
