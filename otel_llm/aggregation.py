@@ -73,7 +73,7 @@ class HistogramCell:
         self.bounds = tuple(bounds)
         self.attributes = attributes
         self.counts = [0] * (len(self.bounds) + 1)
-        self.total = 0.0
+        self.total: float = 0  # stays an int while every observation is one, as the SDK's sum
         self.min = math.inf
         self.max = -math.inf
         self.exemplars: list[Optional[_StoredExemplar]] = [None] * len(self.counts)
@@ -295,7 +295,7 @@ class _CellAggregation(_ExplicitBucketHistogramAggregation):
                          reservoir_factory(_ExplicitBucketHistogramAggregation), boundaries)
         self._cell: Optional[HistogramCell] = None
         self._last_counts: Optional[list[int]] = None  # at the previous collect (delta)
-        self._last_sum = 0.0
+        self._last_sum: float = 0
         self._last_seq = 0
         self._window: Optional[list[float]] = None
         self._collected_at = start_time_unix_nano
@@ -370,7 +370,7 @@ class _ExponentialCellAggregation(_ExponentialBucketHistogramAggregation):
         self._last_zero = 0
         self._max_scale = MAX_SCALE  # cumulative: lowered to 0 by an interval of zeros only
         self._interval: Optional[ExponentialBuckets] = None  # delta
-        self._last_sum = 0.0
+        self._last_sum: float = 0
         self._collected_at = start_time_unix_nano
 
     def aggregate(self, measurement: Any, should_sample_exemplar: bool = True) -> None:

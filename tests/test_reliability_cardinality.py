@@ -27,8 +27,8 @@ from otel_llm.metrics import OVERFLOW_LABEL_VALUE
 E = EventType
 ALLOWED_KEYS = {
     "vllm": {"model_name", "engine", "reason", "finished_reason"},
-    "semconv": {"gen_ai.request.model", "llm.engine", "gen_ai.operation.name", "gen_ai.response.finish_reason",
-                "llm.preemption.reason", "reason"},
+    "semconv": {"gen_ai.request.model", "llm.engine", "gen_ai.operation.name", "gen_ai.provider.name",
+                "gen_ai.response.finish_reason", "llm.preemption.reason", "reason", "error.type"},
 }
 
 

@@ -115,6 +115,10 @@ BAD_ENV = [
     ("OTEL_LLM_CONTENT_MAX_LENGTH", "abc", ("not an integer",)),
     ("OTEL_LLM_DEFER_STEPS", "0", (">= 1",)),
     ("OTEL_LLM_PROMETHEUS_PORTS", "0", (">= 1",)),
+    ("OTEL_LLM_PREEMPTION_EVENTS", "span", ("must be one of",)),
+    ("OTEL_LLM_PROVIDER_NAME", None, ()),  # any non-blank string is a provider name
+    ("OTEL_LOGS_EXPORTER", "zipkin", ("is not one of",)),
+    ("OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION", "exponential", ("must be one of",)),
     ("OTEL_METRICS_EXPORTER", "otlp,jaeger", ("is not one of",)),
     ("OTEL_TRACES_EXPORTER", "prometheus", ("is not one of",)),
     ("OTEL_EXPORTER_PROMETHEUS_HOST", None, ()),  # blank = unset; any other string is a host
