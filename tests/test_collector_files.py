@@ -25,6 +25,8 @@ RULES = COLLECTOR / "rules" / "otel-llm.rules.yml"
 RULES_TEST = COLLECTOR / "rules" / "otel-llm.rules.test.yml"
 PROMETHEUS_YML = COLLECTOR / "prometheus.yml"
 OTELCOL = COLLECTOR / "otel-collector.yaml"
+AGENT = COLLECTOR / "otel-collector-agent.yaml"  # a fleet: one per host
+GATEWAY = COLLECTOR / "otel-collector-gateway.yaml"  # a fleet: the agents' destination
 TEMPO = COLLECTOR / "tempo.yaml"
 COMPOSE = COLLECTOR / "docker-compose.yaml"
 DASHBOARD = COLLECTOR / "grafana" / "dashboards" / "otel-llm.json"
@@ -203,8 +205,9 @@ def _component_type(name: str) -> str:
     return name.split("/", 1)[0]
 
 
-def test_collector_pipelines_reference_defined_components():
-    cfg = load_yaml(OTELCOL)
+@pytest.mark.parametrize("path", [OTELCOL, AGENT, GATEWAY], ids=lambda p: p.name)
+def test_collector_pipelines_reference_defined_components(path):
+    cfg = load_yaml(path)
     service = cfg["service"]
     for ext in service.get("extensions", []):
         assert ext in cfg["extensions"], f"extension {ext} not defined"
@@ -221,6 +224,29 @@ def test_collector_pipelines_reference_defined_components():
     for kind in ("receivers", "processors", "exporters"):
         used = {c for p in pipelines.values() for c in p[kind]}
         assert set(cfg[kind]) == used, f"{kind} defined but unused: {set(cfg[kind]) - used}"
+
+
+def test_fleet_agent_listens_on_loopback_and_queues_for_the_gateway():
+    cfg = load_yaml(AGENT)
+    for protocol in cfg["receivers"]["otlp"]["protocols"].values():
+        assert protocol["endpoint"].startswith("127.0.0.1:"), "engine processes are on the agent's host"
+    (exporter,) = cfg["exporters"].values()
+    assert exporter["sending_queue"]["enabled"] and exporter["sending_queue"]["queue_size"] > 0
+    assert exporter["retry_on_failure"]["enabled"]
+    for pipeline in cfg["service"]["pipelines"].values():
+        assert pipeline["exporters"] == list(cfg["exporters"]), "everything goes to the gateway"
+
+
+def test_fleet_gateway_makes_delta_cumulative_and_keeps_processes_apart():
+    cfg = load_yaml(GATEWAY)
+    metrics = cfg["service"]["pipelines"]["metrics"]
+    processors = metrics["processors"]
+    assert processors.index("deltatocumulative") < processors.index("batch")
+    prom = cfg["exporters"]["prometheus"]
+    assert prom["enable_open_metrics"] is True and "namespace" not in prom
+    # job/instance from service.name/service.instance.id: per-process series; resources not copied onto them.
+    assert prom["resource_to_telemetry_conversion"]["enabled"] is False
+    assert metrics["exporters"] == ["prometheus"]
 
 
 def test_collector_receives_otlp_and_exports_openmetrics_and_traces():
