@@ -164,6 +164,13 @@ def table(r: dict[str, Any]) -> str:
                          f"{row['otlp_bytes'] / 1024:>7.0f}{_f(row['render_text_ms'], '{:.1f}'):>8}"
                          f"{_f(row['prometheus_client_render_text_ms'], '{:.1f}'):>8}"
                          f"{_f(row['render_ratio_ours/prometheus_client'], '{:.2f}'):>7}")
+    if "by_processes" in ex:
+        lines += ["   engine processes (one provider and resource each): collect + OTLP export per process, ms; "
+                  "what the collector holds"]
+        for n, row in ex["by_processes"].items():
+            lines.append(f"   {n:>7} processes {_f(row['collect_and_export_ms_per_process'], '{:.1f}'):>6} ms each, "
+                         f"{row['collector_data_points']} OTLP points, {row['collector_prometheus_series']} "
+                         f"Prometheus series ({row['prometheus_series_per_process']:.0f} per process)")
     if isinstance(r.get(vllm_engine.KEY), dict):
         lines += ["", *vllm_engine.table_lines(r[vllm_engine.KEY])]
     out = r.get("outage", {})

@@ -11,6 +11,12 @@ workload (arrivals, preemptions, tokens, finishes with two reasons). Then:
 * collect: ``InMemoryMetricReader.get_metrics_data()`` (what any reader pays first), ms;
 * OTLP: ``OTLPMetricExporter.export()`` of that MetricsData over gRPC to a local receiver
   (rotel-agent), ms, and the serialized protobuf size (``encode_metrics``), and encode time.
+
+And at 1, 8 and 64 engine *processes* (each its own MeterProvider and resource, with its own
+``service.instance.id``, as each process of a fleet has; simulated in this process, which 2 cores
+cannot run 64 of): each process's collect + OTLP export, ms (median over processes), and what a
+collector then holds: OTLP data points and Prometheus series (a histogram point is its buckets,
+``_sum`` and ``_count``), in total and per process.
 """
 
 from __future__ import annotations
@@ -96,6 +102,43 @@ def one(engines: int, mix: Any, endpoint: str, reps: int) -> dict[str, Any]:
         handle.shutdown()
 
 
+def processes(count: int, mix: Any, endpoint: str) -> dict[str, Any]:
+    """``count`` engine processes, one MeterProvider and resource each, exporting to one collector."""
+    from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import HistogramDataPoint, InMemoryMetricReader
+    from opentelemetry.sdk.resources import Resource
+
+    from otel_llm import EngineTelemetry, views
+
+    config = TelemetryConfig(model_name="bench", spans=False)
+    exporter = OTLPMetricExporter(endpoint=endpoint, insecure=True)
+    export_ms, points, series = [], 0, 0
+    try:
+        for i in range(count):
+            reader = InMemoryMetricReader()
+            provider = MeterProvider(metric_readers=[reader], views=views(config),
+                                     resource=Resource({"service.name": "bench", "service.instance.id": f"p{i}"}))
+            telemetry = EngineTelemetry(config, meter_provider=provider)
+            for events, stats in mix.warmup + mix.steps:
+                telemetry.on_events(events)
+                telemetry.on_step(stats)
+            t0 = time.perf_counter()
+            data = reader.get_metrics_data()
+            exporter.export(data)
+            export_ms.append((time.perf_counter() - t0) * 1e3)
+            for p in (p for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
+                      for p in m.data.data_points):
+                points += 1
+                series += len(p.bucket_counts) + 2 if isinstance(p, HistogramDataPoint) else 1
+            provider.shutdown()
+    finally:
+        exporter.shutdown()
+    return {"processes": count, "collect_and_export_ms_per_process": median(export_ms),
+            "collector_data_points": points, "collector_prometheus_series": series,
+            "prometheus_series_per_process": series / count}
+
+
 def _prometheus_client_baseline(engines: int, mix: Any, reps: int) -> dict[str, Any]:
     """(b) for scrapes: the vLLM-style prometheus_client metrics of ``engines`` engines in one
     registry (one family per metric, an ``engine`` label), fed the same workload, rendered in text."""
@@ -124,5 +167,7 @@ def run(tiny: bool, reps: int) -> dict[str, Any]:
     counts = (1, 8, 64)  # every size in --tiny too, with a smaller workload
     with otlp_receiver() as receiver:
         rows = [one(n, mix, receiver["grpc"], reps) for n in counts]
+        fleet = [processes(n, mix, receiver["grpc"]) for n in counts]
     return {"receiver": receiver["kind"], "events_per_engine": mix.num_events + sum(len(e) for e, _ in mix.warmup),
-            "repetitions": reps, "by_engines": {str(r["engines"]): r for r in rows}}
+            "repetitions": reps, "by_engines": {str(r["engines"]): r for r in rows},
+            "by_processes": {str(r["processes"]): r for r in fleet}}
