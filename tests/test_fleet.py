@@ -86,20 +86,27 @@ def test_a_fleet_of_engine_processes_adds_up_exactly_at_the_collector(clean_env,
         assert total_requests == PROCESSES * REQUESTS and total_preemptions > 0
         # Every process has exited (its shutdown flushed); rotel forwards within its 50 ms batches.
         wait_until(lambda: len(sink.spans()) >= total_requests, 60, interval=0.1, what="every request span")
-        wait_until(lambda: len(_per_process(sink, "vllm:request_success", delta)) == PROCESSES, 60, interval=0.1,
-                   what="metrics of every process")
+
+        def totals() -> list[tuple[int, int]]:
+            success = _per_process(sink, "vllm:request_success", delta)
+            preemptions = _per_process(sink, "vllm:num_preemptions", delta)
+            return sorted((int(sum(success[i].values())), int(sum(preemptions.get(i, {}).values())))
+                          for i in success)
+
+        # Each process flushed at exit; its last exports cross rotel within its 50 ms batches.
+        # Kept apart: each process's own totals are one of the ground truths.
+        try:
+            wait_until(lambda: totals() == sorted(truths), 60, interval=0.1, what="every process's totals")
+        except TimeoutError:
+            assert totals() == sorted(truths)
 
         spans = sink.spans()
         assert len(spans) == total_requests
         assert len({next(a.value.string_value for a in s.attributes if a.key == "gen_ai.request.id")
                     for s in spans}) == REQUESTS  # request ids repeat across processes: one span per request each
 
-        success = _per_process(sink, "vllm:request_success", delta)
-        preemptions = _per_process(sink, "vllm:num_preemptions", delta)
         histogram = _per_process(sink, "vllm:request_num_preemptions", delta)
-        # Kept apart: each process's own totals are one of the ground truths.
-        mine = sorted((int(sum(success[i].values())), int(sum(preemptions[i].values()))) for i in success)
-        assert mine == sorted(truths)
+        assert len(histogram) == PROCESSES
         # Summed over processes, exact: count, sum and every bucket.
         counts = [sum(v[0] for v in histogram[i].values()) for i in histogram]
         assert sum(counts) == total_requests
@@ -108,3 +115,44 @@ def test_a_fleet_of_engine_processes_adds_up_exactly_at_the_collector(clean_env,
         per_span = Counter(bisect.bisect_left(REQUEST_NUM_PREEMPTIONS, next(
             a.value.int_value for a in s.attributes if a.key == "llm.request.num_preemptions")) for s in spans)
         assert buckets == [per_span.get(i, 0) for i in range(len(REQUEST_NUM_PREEMPTIONS) + 1)]
+
+
+def test_a_process_killed_mid_export_leaves_the_survivors_totals_exact(clean_env):
+    """One of three processes is killed (SIGKILL) after its first exports reached the collector;
+    the other two finish: their totals at the receiver are exactly theirs."""
+    with start_otlp_sink("grpc") as sink, backend("rotel"), start_rotel(forward_to=sink.endpoint) as rotel:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+        env.update(ENGINE_STUB_PLUGINS="otel", OTEL_METRICS_EXPORTER="otlp", OTEL_TRACES_EXPORTER="otlp",
+                   OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{rotel.grpc_port}",
+                   OTEL_EXPORTER_OTLP_PROTOCOL="grpc", OTEL_METRIC_EXPORT_INTERVAL="200")
+        victim = subprocess.Popen([sys.executable, "-m", "engine_stub", "--requests", "100000", "--seed", "9"],
+                                  env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            wait_until(lambda: len(_per_process(sink, "vllm:request_success", False)) == 1, 120, interval=0.1,
+                       what="the victim's first export")
+            (victim_id,) = _per_process(sink, "vllm:request_success", False)
+            survivors = [subprocess.Popen([sys.executable, "-m", "engine_stub", "--requests", str(REQUESTS), "--seed",
+                                           str(i)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         for i in range(2)]
+            victim.kill()  # mid-run, between or during exports
+            victim.wait(30)
+            truths = []
+            for proc in survivors:
+                out, err = proc.communicate(timeout=600)
+                assert proc.returncode == 0, err[-2000:]
+                truths.append(_ground_truth(out))
+        finally:
+            if victim.poll() is None:
+                victim.kill()
+
+        def survivors_totals() -> list[tuple[int, int]]:
+            success = _per_process(sink, "vllm:request_success", False)
+            preemptions = _per_process(sink, "vllm:num_preemptions", False)
+            return sorted((int(sum(success[i].values())), int(sum(preemptions.get(i, {}).values())))
+                          for i in success if i != victim_id)
+
+        # The survivors flushed at exit; their last exports cross rotel within its 50 ms batches.
+        try:
+            wait_until(lambda: survivors_totals() == sorted(truths), 60, interval=0.1, what="the survivors' totals")
+        except TimeoutError:
+            assert survivors_totals() == sorted(truths)
