@@ -29,7 +29,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
 
-from . import otlp, sdk_env
+from . import identity, otlp, sdk_env
 from .accounting import CountingMetricExporter, ExportAccounting, counting_log_processor, counting_processor
 from .config import DEFAULT_DEFER_STEPS, TelemetryConfig
 from .metrics import use_reader_views, views
@@ -129,6 +129,8 @@ def setup_telemetry(config: Optional[TelemetryConfig] = None, *,
         return TelemetryHandle(config, telemetry, None, None, engines=[telemetry], extra_views=tuple(extra_views))
 
     resource = _resource(config)
+    if _user_given_instance_id(config, env):  # the SDK's own per-process UUIDs are unique already
+        identity.claim(str(resource.attributes["service.instance.id"]))
     metrics_exporters = config.metrics_exporters or (("prometheus",) if config.prometheus_port is not None
                                                      else ("otlp",))
     traces_exporters = config.traces_exporters or ("otlp",)
@@ -196,6 +198,11 @@ def setup_telemetry(config: Optional[TelemetryConfig] = None, *,
               traces_exporters, logs_exporters, prometheus.url if prometheus else None, config.redacted())
     return TelemetryHandle(config, telemetry, meter_provider, tracer_provider, prometheus, engines=[telemetry],
                            accounting=accounting, extra_views=tuple(extra_views), logger_provider=logger_provider)
+
+
+def _user_given_instance_id(config: TelemetryConfig, env: Mapping[str, str]) -> bool:
+    pairs = (item.split("=", 1)[0].strip() for item in env.get("OTEL_RESOURCE_ATTRIBUTES", "").split(","))
+    return "service.instance.id" in config.resource_attributes or "service.instance.id" in pairs
 
 
 def _resource(config: TelemetryConfig) -> Resource:

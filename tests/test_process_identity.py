@@ -62,3 +62,28 @@ def test_a_forked_child_gets_its_own_instance_id(clean_env):
 
 def _instance_id() -> str:
     return _resource_attributes()["service.instance.id"]
+
+
+def test_a_user_given_id_already_used_by_another_live_process_on_the_host_is_reported(clean_env, caplog):
+    """The same id in two processes' OTEL_RESOURCE_ATTRIBUTES: the second says so in one warning."""
+    instance = f"replica-{uuid.uuid4()}"
+    code = ("import sys, os; os.environ['OTEL_RESOURCE_ATTRIBUTES'] = 'service.instance.id=' + sys.argv[1]; "
+            "from tests.test_process_identity import _instance_id; print(_instance_id(), flush=True); "
+            "sys.stdin.read()")  # holds its id until the test closes stdin
+    holder = subprocess.Popen([sys.executable, "-c", code, instance], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == instance  # the holder has set up its telemetry
+        clean_env.setenv("OTEL_RESOURCE_ATTRIBUTES", f"service.instance.id={instance}")
+        with caplog.at_level("WARNING", logger="otel_llm.identity"):
+            assert _instance_id() == instance  # the user's id is kept
+            _instance_id()  # reported once per process
+        said = [r.getMessage() for r in caplog.records if r.name == "otel_llm.identity"]
+        assert len(said) == 1 and instance in said[0] and str(holder.pid) in said[0]
+    finally:
+        holder.stdin.close()
+        holder.wait(60)
+    fresh = f"replica-{uuid.uuid4()}"  # an id nobody holds: no warning
+    clean_env.setenv("OTEL_RESOURCE_ATTRIBUTES", f"service.instance.id={fresh}")
+    caplog.clear()
+    assert _instance_id() == fresh and not [r for r in caplog.records if r.name == "otel_llm.identity"]
