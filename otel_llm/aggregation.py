@@ -224,6 +224,10 @@ class ExponentialHistogramCell(HistogramCell):
                 for buckets in self.intervals:
                     _add(buckets, value, index, negative)
 
+    def observe_many(self, values: Sequence[float]) -> None:
+        for value in values:
+            self.observe(value)
+
 
 def _add(buckets: ExponentialBuckets, value: float, index: int, negative: bool) -> None:
     if value == 0:

@@ -228,3 +228,17 @@ def test_inlined_index_is_the_sdk_mapping():
     values = [rnd.lognormvariate(0, 10) for _ in range(20000)] + [2.0 ** k for k in range(-1074, 1024)]
     values += [5e-324, 1e-310, 2.2250738585072014e-308, 1.7976931348623157e308, 3.0, 1.0, 0.1]
     assert [_index_at_max_scale(v) for v in values] == [_MAPPING.map_to_index(v) for v in values]
+
+
+@pytest.mark.parametrize("delta", [False, True], ids=["cumulative", "delta"])
+def test_record_iteration_latencies_go_into_the_exponential_buckets_on_both_paths(delta):
+    """Engines that hand over a step's latencies at once (record_iteration: vLLM's stat logger)."""
+    points = []
+    for fast_path in (True, False):
+        r = rig(TelemetryConfig(model_name="tiny", histogram_aggregation=EXPONENTIAL), fast_path=fast_path,
+                delta=delta)
+        r.telemetry.record_iteration(ttfts=[0.02, 0.3], itls=[0.01, 0.01, 0.2, 3.0])
+        (itl,) = r.metrics()["vllm:inter_token_latency_seconds"]
+        points.append((exponential_point(itl), itl.count, pytest.approx(itl.sum)))
+    assert points[0] == points[1]
+    assert points[0][1] == 4
