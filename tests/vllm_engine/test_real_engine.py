@@ -108,19 +108,10 @@ def run(tiny_model: Path, otlp_sink: Any) -> Run:
                                       {"traceparent": "00-not-a-trace-context"}))
         rejected = asyncio.run(_post(server.url, {"model": MODEL_NAME, "prompt": [5] * (MAX_MODEL_LEN + 44),
                                                   "max_tokens": 5}, {}))
-        expected_spans = LOAD.requests + 2  # + the aborted and the malformed-header requests
-        totals: list[float] = []
-
-        def counted() -> bool:
-            totals.append(_success_total(scrape(server.url + "/metrics")))
-            return totals[-1] == LOAD.requests + 1
-
-        try:
-            wait_until(counted, 120, interval=0.5, what="vLLM's request_success after the load")
-        except TimeoutError:
-            raise AssertionError(f"request_success {totals[-3:]}, malformed {malformed}, rejected {rejected}:\n"
-                                 f"{server.log_tail()}") from None
-        wait_until(lambda: len(otlp_sink.spans()) >= expected_spans, 120, interval=0.5, what="every request span")
+        # Every request's span, the disconnected one's included (whether vLLM aborted it or, on a
+        # slow machine, finished it before it saw the client go): every request is then done.
+        wait_until(lambda: len(otlp_sink.spans()) >= LOAD.requests + 2, 120, interval=0.5,
+                   what="every request span")
         with urllib.request.urlopen(server.metrics_url, timeout=30) as response:
             ours_text = response.read().decode()
         return Run(server, vllm_start, ours_start, completions, chunks, rejected, malformed,
@@ -153,7 +144,7 @@ def test_every_vllm_series_equals_vllms_after_a_load_with_real_preemptions(run: 
     assert preemptions >= 10  # the KV cache is too small for 64 concurrent requests: real preemptions
     # Ours beyond vLLM: le=0.5 holds the never-preempted requests; the counts add up.
     count = run.ours[("vllm:request_num_preemptions_count", labels)]
-    assert count == LOAD.requests + 1
+    assert count == _success_total(run.vllm) >= LOAD.requests + 1
     assert run.ours[("vllm:request_num_preemptions_sum", labels)] == preemptions
     never = run.ours[("vllm:request_num_preemptions_bucket", labels | {("le", "0.5")})]
     once_or_never = run.ours[("vllm:request_num_preemptions_bucket", labels | {("le", "1.0")})]
@@ -190,28 +181,33 @@ def test_preempted_span_events_equal_vllms_preemption_counter(run: Run) -> None:
         assert _attrs(s).get("llm.request.num_preemptions", 0) == len(ordinals)
 
 
-def test_a_client_disconnect_is_counted_as_vllm_counts_it_and_has_an_abort_span(run: Run) -> None:
+def test_a_client_disconnect_is_counted_as_vllm_counts_it_with_one_span(run: Run) -> None:
     assert run.streamed_chunks == 6
     labels = {"model_name": MODEL_NAME, "engine": "0"}
     for reason in ("abort", "stop", "length", "error", "repetition"):
         key = ("vllm:request_success_total", frozenset({**labels, "finished_reason": reason}.items()))
         assert run.ours[key] == run.vllm[key]
-    assert run.vllm[("vllm:request_success_total", frozenset({**labels, "finished_reason": "abort"}.items()))] == 0
     trace_id, span_id = ABORTED_TRACE
     aborted = [s for s in run.spans if s.trace_id.hex() == trace_id]
-    assert len(aborted) == 1
+    assert len(aborted) == 1  # one span, whichever way the request ended
     span = aborted[0]
     assert span.parent_span_id.hex() == span_id
     attrs = _attrs(span)
-    assert attrs["gen_ai.response.finish_reasons"] == ["abort"]
-    assert 0 < attrs["gen_ai.usage.output_tokens"] < 200
+    if attrs["gen_ai.response.finish_reasons"] == ["abort"]:
+        # vLLM aborted it when the client went: it counts it nowhere, the deep hook gave it its span.
+        assert _success_total(run.vllm) == LOAD.requests + 1
+        assert 0 < attrs["gen_ai.usage.output_tokens"] < 200
+    else:  # it finished before vLLM saw the client go (a busy machine): counted as it finished
+        assert attrs["gen_ai.response.finish_reasons"] == ["length"]
+        assert _success_total(run.vllm) == LOAD.requests + 2
 
 
 def test_a_request_vllm_rejects_is_counted_nowhere_as_by_vllm(run: Run) -> None:
     assert run.rejected_status == 400
-    assert _success_total(run.vllm) == _success_total(run.ours) == LOAD.requests + 1
+    assert _success_total(run.vllm) == _success_total(run.ours)
     labels = frozenset({"model_name": MODEL_NAME, "engine": "0"}.items())
-    assert run.ours[("vllm:request_prompt_tokens_count", labels)] == LOAD.requests + 1
+    # Every request vLLM finished has its prompt observed; the rejected one never reached the engine.
+    assert run.ours[("vllm:request_prompt_tokens_count", labels)] == _success_total(run.vllm)
 
 
 def test_vllms_own_expected_metrics_list_passes_on_our_endpoint(run: Run, vllm_sdist: Path) -> None:
