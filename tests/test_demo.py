@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import queue
 import re
@@ -13,6 +14,7 @@ import threading
 import urllib.request
 from itertools import accumulate
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -84,14 +86,27 @@ def one(samples: dict[str, float], prefix: str) -> float:
     return value
 
 
+@contextlib.contextmanager
+def sigint_not_ignored() -> Iterator[None]:
+    """Children started meanwhile get SIGINT's default action. A child inherits an ignored
+    SIGINT (this process started by ``nohup``, or with ``&`` from a script), and Python then
+    never raises KeyboardInterrupt in it; a handled signal is reset to its default by exec."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def test_demo_summary_matches_its_metrics_endpoint(tmp_path: Path) -> None:
-    proc = subprocess.Popen(
-        demo_command()
-        + ["--requests", "40", "--prometheus-port", "0", "--serve-seconds", "300", "--no-progress"],
-        stdout=subprocess.PIPE,
-        stderr=(tmp_path / "stderr.txt").open("w"),
-        text=True,
-    )
+    with sigint_not_ignored():
+        proc = subprocess.Popen(
+            demo_command()
+            + ["--requests", "40", "--prometheus-port", "0", "--serve-seconds", "300", "--no-progress"],
+            stdout=subprocess.PIPE,
+            stderr=(tmp_path / "stderr.txt").open("w"),
+            text=True,
+        )
     try:
         lines, url = read_until_serving(proc)
         with urllib.request.urlopen(url, timeout=10) as response:
