@@ -54,6 +54,15 @@ def rig(config: Optional[TelemetryConfig] = None, fast_path: Optional[bool] = No
                exporter, mp)
 
 
+def assert_same_snapshots(fast: list[dict], sdk: list[dict], count: int) -> None:
+    """The fast path's and the SDK path's collections, snapshot by snapshot and point by point."""
+    assert len(fast) == len(sdk) == count
+    for f, s in zip(fast, sdk):
+        assert f.keys() == s.keys()
+        for key in f:
+            assert f[key] == s[key], key
+
+
 def _instrument_classes() -> tuple[type, ...]:
     from opentelemetry.sdk.metrics import (Counter, Histogram, ObservableCounter, ObservableGauge,
                                            ObservableUpDownCounter, UpDownCounter, _Gauge)

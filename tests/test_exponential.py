@@ -26,7 +26,7 @@ from backends import backend, start_otlp_sink, start_rotel, wait_until
 from otel_llm import TelemetryConfig, setup_telemetry
 from otel_llm.aggregation import ExponentialHistogramCell, _ExponentialCellAggregation
 from otel_llm.metrics import BY_KEY, METRICS
-from tests.otel_helpers import rig
+from tests.otel_helpers import assert_same_snapshots, rig
 from tests.test_fast_path_equivalence import workload
 
 EXPONENTIAL = "base2_exponential_bucket_histogram"
@@ -120,11 +120,7 @@ def run(fast_path: bool, naming: str, delta: bool) -> list[dict]:
 @pytest.mark.parametrize("delta", [False, True], ids=["cumulative", "delta"])
 def test_fast_path_equals_sdk_path_with_exponential_histograms(naming, delta):
     fast, sdk = run(True, naming, delta), run(False, naming, delta)
-    assert len(fast) == len(sdk) == 3
-    for f, s in zip(fast, sdk):
-        assert f.keys() == s.keys()
-        for key in f:
-            assert f[key] == s[key], key
+    assert_same_snapshots(fast, sdk, 3)
     config = TelemetryConfig(naming=naming)
     kinds = {name: value[0] for (name, _), value in fast[-1].items() if isinstance(value, tuple)}
     for m in METRICS:

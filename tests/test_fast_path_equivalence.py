@@ -13,7 +13,7 @@ import random
 import pytest
 
 from otel_llm import StepStats, TelemetryConfig
-from tests.otel_helpers import E, RequestEvent, lifecycle, rig
+from tests.otel_helpers import E, RequestEvent, assert_same_snapshots, lifecycle, rig
 
 
 def workload(seed: int = 7):
@@ -64,8 +64,4 @@ def run(fast_path: bool, naming: str, delta: bool):
 @pytest.mark.parametrize("delta", [False, True], ids=["cumulative", "delta"])
 def test_fast_path_equals_sdk_path(naming, delta):
     fast, sdk = run(True, naming, delta), run(False, naming, delta)
-    assert len(fast) == len(sdk) == 3
-    for f, s in zip(fast, sdk):
-        assert f.keys() == s.keys()
-        for key in f:
-            assert f[key] == s[key], key
+    assert_same_snapshots(fast, sdk, 3)
