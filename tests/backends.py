@@ -540,3 +540,14 @@ def start_otlp_sink(protocol: str = "grpc", tls: Optional[tuple[Path, Path]] = N
         yield sink
     finally:
         http.stop()
+
+
+@contextlib.contextmanager
+def rotel_to_sink(hop: str = "grpc") -> Iterator[tuple[OtlpSink, Rotel]]:
+    """The two-hop OTLP pipeline: rotel receiving (gRPC and HTTP) and forwarding over ``hop``
+    (grpc|http) to a loopback sink. A component that cannot start: require_backend()."""
+    with contextlib.ExitStack() as stack:
+        with backend("rotel"):
+            sink = stack.enter_context(start_otlp_sink(hop))
+            rotel = stack.enter_context(start_rotel(forward_to=sink.endpoint, forward_protocol=hop))
+        yield sink, rotel

@@ -22,7 +22,7 @@ from opentelemetry.sdk.metrics._internal.aggregation import (
 )
 from opentelemetry.sdk.metrics._internal.exemplar import SimpleFixedSizeExemplarReservoir
 
-from backends import backend, start_otlp_sink, start_rotel, wait_until
+from backends import rotel_to_sink, wait_until
 from otel_llm import TelemetryConfig, setup_telemetry
 from otel_llm.aggregation import ExponentialHistogramCell, _ExponentialCellAggregation
 from otel_llm.metrics import BY_KEY, METRICS
@@ -146,34 +146,23 @@ def test_otlp_gets_exponential_histograms_and_prometheus_explicit_buckets(clean_
     Prometheus exporter cannot render exponential ones) with the same counts."""
     from tests.test_log_events import engine_run
 
-    with backend("rotel"):
-        sink_cm = start_otlp_sink("grpc")
-        sink = sink_cm.__enter__()
-    try:
-        with backend("rotel"):
-            rotel_cm = start_rotel(forward_to=sink.endpoint, forward_protocol="grpc")
-            rotel = rotel_cm.__enter__()
+    with rotel_to_sink() as (sink, rotel):
+        env = {"OTEL_METRICS_EXPORTER": "otlp,prometheus", "OTEL_TRACES_EXPORTER": "none",
+               "OTEL_EXPORTER_PROMETHEUS_PORT": "0", "OTEL_METRIC_EXPORT_INTERVAL": "600000",
+               "OTEL_EXPORTER_OTLP_ENDPOINT": rotel.grpc_endpoint,
+               "OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION": EXPONENTIAL}
+        for k, v in env.items():
+            clean_env.setenv(k, v)
+        handle = setup_telemetry(TelemetryConfig.from_env(env, model_name="tiny"), environ=env)
         try:
-            env = {"OTEL_METRICS_EXPORTER": "otlp,prometheus", "OTEL_TRACES_EXPORTER": "none",
-                   "OTEL_EXPORTER_PROMETHEUS_PORT": "0", "OTEL_METRIC_EXPORT_INTERVAL": "600000",
-                   "OTEL_EXPORTER_OTLP_ENDPOINT": rotel.grpc_endpoint,
-                   "OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION": EXPONENTIAL}
-            for k, v in env.items():
-                clean_env.setenv(k, v)
-            handle = setup_telemetry(TelemetryConfig.from_env(env, model_name="tiny"), environ=env)
-            try:
-                truth = engine_run(handle.telemetry, 16)
-                handle.force_flush()
-                e2e = "vllm:e2e_request_latency_seconds"
-                wait_until(lambda: sink.metric_points(e2e), timeout=15, what="metrics through rotel")
-                scrape = urllib.request.urlopen(f"http://127.0.0.1:{handle.prometheus_port}/metrics",
-                                                timeout=10).read().decode()
-            finally:
-                handle.shutdown()
+            truth = engine_run(handle.telemetry, 16)
+            handle.force_flush()
+            e2e = "vllm:e2e_request_latency_seconds"
+            wait_until(lambda: sink.metric_points(e2e), timeout=15, what="metrics through rotel")
+            scrape = urllib.request.urlopen(f"http://127.0.0.1:{handle.prometheus_port}/metrics",
+                                            timeout=10).read().decode()
         finally:
-            rotel_cm.__exit__(None, None, None)
-    finally:
-        sink_cm.__exit__(None, None, None)
+            handle.shutdown()
 
     for m in METRICS:
         if m.kind != "histogram" or m.key == "request_preempted_time_seconds" and not any(truth.values()):

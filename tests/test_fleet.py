@@ -19,7 +19,7 @@ from collections import Counter, defaultdict
 from typing import Any
 
 import pytest
-from backends import backend, start_otlp_sink, start_rotel, wait_until
+from backends import rotel_to_sink, wait_until
 
 from otel_llm.buckets import REQUEST_NUM_PREEMPTIONS
 
@@ -67,7 +67,7 @@ def _ground_truth(stdout: str) -> tuple[int, int]:
 @pytest.mark.parametrize("temporality", ["cumulative", "delta"])
 def test_a_fleet_of_engine_processes_adds_up_exactly_at_the_collector(clean_env, temporality):
     delta = temporality == "delta"
-    with start_otlp_sink("grpc") as sink, backend("rotel"), start_rotel(forward_to=sink.endpoint) as rotel:
+    with rotel_to_sink() as (sink, rotel):
         env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
         env.update(ENGINE_STUB_PLUGINS="otel", OTEL_METRICS_EXPORTER="otlp", OTEL_TRACES_EXPORTER="otlp",
                    OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{rotel.grpc_port}",
@@ -120,7 +120,7 @@ def test_a_fleet_of_engine_processes_adds_up_exactly_at_the_collector(clean_env,
 def test_a_process_killed_mid_export_leaves_the_survivors_totals_exact(clean_env):
     """One of three processes is killed (SIGKILL) after its first exports reached the collector;
     the other two finish: their totals at the receiver are exactly theirs."""
-    with start_otlp_sink("grpc") as sink, backend("rotel"), start_rotel(forward_to=sink.endpoint) as rotel:
+    with rotel_to_sink() as (sink, rotel):
         env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
         env.update(ENGINE_STUB_PLUGINS="otel", OTEL_METRICS_EXPORTER="otlp", OTEL_TRACES_EXPORTER="otlp",
                    OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{rotel.grpc_port}",

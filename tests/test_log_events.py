@@ -22,7 +22,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import otel_llm
-from backends import backend, start_otlp_sink, start_rotel, wait_until
+from backends import rotel_to_sink, wait_until
 from otel_llm import EngineTelemetry, TelemetryConfig, setup_telemetry
 from otel_llm.accounting import LOG_RECORDS_EXPORT_FAILED, LOG_RECORDS_QUEUE_FULL
 from otel_llm.spans import PREEMPTED_EVENT
@@ -230,38 +230,27 @@ def _log_records(sink: Any) -> list[Any]:
 @pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
 def test_log_events_over_otlp_through_rotel(clean_env, protocol):
     hop = "grpc" if protocol == "grpc" else "http"
-    with backend("rotel"):
-        sink_cm = start_otlp_sink(hop)
-        sink = sink_cm.__enter__()
-    try:
-        with backend("rotel"):
-            rotel_cm = start_rotel(forward_to=sink.endpoint, forward_protocol=hop)
-            rotel = rotel_cm.__enter__()
+    with rotel_to_sink(hop) as (sink, rotel):
+        env = {"OTEL_METRICS_EXPORTER": "none", "OTEL_TRACES_EXPORTER": "otlp", "OTEL_LOGS_EXPORTER": "otlp",
+               "OTEL_LLM_PREEMPTION_EVENTS": "log", "OTEL_SERVICE_NAME": "otel-llm-test",
+               "OTEL_EXPORTER_OTLP_ENDPOINT": rotel.endpoint(hop), "OTEL_EXPORTER_OTLP_PROTOCOL": protocol}
+        handle = setup_telemetry(TelemetryConfig.from_env(env, model_name="tiny"), environ=env)
         try:
-            env = {"OTEL_METRICS_EXPORTER": "none", "OTEL_TRACES_EXPORTER": "otlp", "OTEL_LOGS_EXPORTER": "otlp",
-                   "OTEL_LLM_PREEMPTION_EVENTS": "log", "OTEL_SERVICE_NAME": "otel-llm-test",
-                   "OTEL_EXPORTER_OTLP_ENDPOINT": rotel.endpoint(hop), "OTEL_EXPORTER_OTLP_PROTOCOL": protocol}
-            handle = setup_telemetry(TelemetryConfig.from_env(env, model_name="tiny"), environ=env)
+            truth = engine_run(handle.telemetry)
+            handle.force_flush()
+            expected = sum(truth.values())
+
+            def arrived() -> bool:
+                spans = [s for s in sink.spans() if s.name == "llm_request"]
+                return len(_log_records(sink)) >= expected and len(spans) >= len(truth)
+
             try:
-                truth = engine_run(handle.telemetry)
-                handle.force_flush()
-                expected = sum(truth.values())
-
-                def arrived() -> bool:
-                    spans = [s for s in sink.spans() if s.name == "llm_request"]
-                    return len(_log_records(sink)) >= expected and len(spans) >= len(truth)
-
-                try:
-                    wait_until(arrived, timeout=15, what=f"log records through rotel ({protocol})")
-                except TimeoutError as exc:
-                    raise AssertionError(f"{exc}: {len(_log_records(sink))} of {expected} log records; "
-                                         f"rotel: {rotel.output()[-2000:]}") from None
-            finally:
-                handle.shutdown()
+                wait_until(arrived, timeout=15, what=f"log records through rotel ({protocol})")
+            except TimeoutError as exc:
+                raise AssertionError(f"{exc}: {len(_log_records(sink))} of {expected} log records; "
+                                     f"rotel: {rotel.output()[-2000:]}") from None
         finally:
-            rotel_cm.__exit__(None, None, None)
-    finally:
-        sink_cm.__exit__(None, None, None)
+            handle.shutdown()
 
     spans = {_attrs(s.attributes)["gen_ai.request.id"]: s for s in sink.spans() if s.name == "llm_request"}
     records: dict[str, list[Any]] = {}

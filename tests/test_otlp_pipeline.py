@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from backends import backend, start_otlp_sink, start_rotel, wait_until
+from backends import backend, rotel_to_sink, start_rotel, wait_until
 
 pytestmark = pytest.mark.backend
 
@@ -40,21 +40,10 @@ def pipeline(request, otlp_env):
     """(protocol, sink): rotel receiving on ``protocol`` and forwarding to the sink, env set."""
     protocol = request.param
     hop = "grpc" if protocol == "grpc" else "http"
-    with backend("rotel"):
-        sink_cm = start_otlp_sink(hop)
-        sink = sink_cm.__enter__()
-    try:
-        with backend("rotel"):
-            rotel_cm = start_rotel(forward_to=sink.endpoint, forward_protocol=hop)
-            rotel = rotel_cm.__enter__()
-        try:
-            otlp_env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", rotel.endpoint(hop))
-            otlp_env.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", protocol)
-            yield protocol, sink, rotel
-        finally:
-            rotel_cm.__exit__(None, None, None)
-    finally:
-        sink_cm.__exit__(None, None, None)
+    with rotel_to_sink(hop) as (sink, rotel):
+        otlp_env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", rotel.endpoint(hop))
+        otlp_env.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", protocol)
+        yield protocol, sink, rotel
 
 
 def _engine():
