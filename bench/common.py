@@ -12,13 +12,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, TypeVar
+from typing import Any, Callable, Iterator, Optional
 
 LOOPBACK = "127.0.0.1"
-T = TypeVar("T")
 
 
 def median(values: list[float]) -> float:
@@ -50,20 +48,6 @@ def rss_bytes() -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     return 0
-
-
-def started_threads(fn: Callable[[], T]) -> tuple[T, list[threading.Thread]]:
-    """``fn()``, and the threads it started that are still running (exporters, readers, servers)."""
-    before = set(threading.enumerate())
-    value = fn()
-    return value, [t for t in threading.enumerate() if t not in before]
-
-
-def threads_cpu_s(threads: list[threading.Thread]) -> float:
-    """CPU seconds used so far by those of ``threads`` that are still alive (their own CPU clocks:
-    time another process or thread takes from them is not counted)."""
-    return sum(time.clock_gettime(time.pthread_getcpuclockid(t.ident)) for t in threads
-               if t.is_alive() and t.ident is not None)
 
 
 def slope(xs: list[float], ys: list[float]) -> float:

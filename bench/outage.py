@@ -14,7 +14,7 @@ side by side in lockstep as in section 2, one engine per variant:
 For each: tokens/s over the summed step time, and what the telemetry takes from the engine,
 on CPU clocks (another process's load does not move them): its time inside the engine's hook
 calls, and the CPU of its own threads (span processor, metric reader; they hold the GIL the
-engine needs), per CPU second of the engine's thread. tests/test_reliability_outage.py asserts
+engine needs), per CPU second of the engine's thread. tests/reliability/test_reliability_outage.py asserts
 the same share with a margin that a noisy machine cannot cross; this is the precise figure.
 """
 
@@ -27,9 +27,10 @@ from engine_stub import Engine, EngineConfig
 from engine_stub.workload import WorkloadSpec, generate
 from otel_llm.config import TelemetryConfig
 from otel_llm.providers import setup_telemetry
+from otel_llm.testing.cost import TimedHooks, started_threads, threads_cpu_s
 
-from .common import env, free_port, median, otlp_receiver, started_threads, threads_cpu_s
-from .throughput import ENGINE, TimedHooks, _Runner
+from .common import env, free_port, median, otlp_receiver
+from .throughput import ENGINE, _Runner
 
 KINDS = ("off", "healthy", "outage", "outage_no_backoff")
 EXPORT = dict(OTEL_EXPORTER_OTLP_PROTOCOL="grpc", OTEL_METRIC_EXPORT_INTERVAL="500", OTEL_EXPORTER_OTLP_TIMEOUT="2",
@@ -124,6 +125,6 @@ def run(tiny: bool, reps: int) -> dict[str, Any]:
         "spans_delivered": {k: runs[-1][k]["spans_delivered"] for k in telemetry},
         "spans_dropped": {k: runs[-1][k]["spans_dropped"] for k in telemetry},
     }
-    # The test's criterion (tests/test_reliability_outage.py), here without its margin.
+    # The test's criterion (tests/reliability/test_reliability_outage.py), here without its margin.
     out["targets"] = {"outage extra share <= 0.02": out["extra_share_vs_healthy"]["outage"] <= 0.02}
     return out

@@ -18,15 +18,13 @@ import pstats
 import time
 from typing import Any, Callable
 
-from otel_llm.config import DEFAULT_DEFER_STEPS, TelemetryConfig
-
+from . import proposals  # measured changes to the core's hot path, interleaved with the rest
 from .common import flush, median, ratio
+from .replay import CONFIG, replay
 from .subscribers import CountingSubscriber, PrometheusClientSubscriber, otel_subscriber
 from .workload import EventMix, event_mix
 
-# defer_steps as setup_telemetry sets it: the engine plugins' path.
-CONFIG = TelemetryConfig(model_name="bench", spans=False, defer_steps=DEFAULT_DEFER_STEPS)
-CONFIG_SPANS = TelemetryConfig(model_name="bench", spans=True, defer_steps=DEFAULT_DEFER_STEPS)
+CONFIG_SPANS = dataclasses.replace(CONFIG, spans=True)
 CONFIG_LOG = dataclasses.replace(CONFIG_SPANS, preemption_events="log")
 CONFIG_BOTH = dataclasses.replace(CONFIG_SPANS, preemption_events="both")
 CONFIG_EXPONENTIAL = dataclasses.replace(CONFIG, histogram_aggregation="base2_exponential_bucket_histogram")
@@ -43,17 +41,9 @@ SUBSCRIBERS: dict[str, tuple[str, Callable[[], Any]]] = {
     "floor": ("(a) floor: stats[k] += 1 per event", CountingSubscriber),
     "prometheus_client": ("(b) vLLM-style prometheus_client, bound children, same Tracker",
                           lambda: PrometheusClientSubscriber(CONFIG)),
-    "naive_otel": ("(c) EngineTelemetry(fast_path=False): one SDK record/add per observation",
-                   lambda: otel_subscriber(CONFIG, fast_path=False)),
+    "naive_otel": ("(c) EngineTelemetry(metric_path='sdk'): one SDK record/add per observation",
+                   lambda: otel_subscriber(CONFIG, metric_path="sdk", span_path="tracer")),
 }
-
-
-def replay(sub: Any, steps: list) -> None:
-    target = getattr(sub, "telemetry", sub)  # the EngineTelemetry itself, as a hook bus would call it
-    on_events, on_step = target.on_events, target.on_step
-    for events, stats in steps:
-        on_events(events)
-        on_step(stats)
 
 
 def measure(factories: dict[str, Callable[[], Any]], mix: EventMix, reps: int, chunk: int = 4) -> dict[str, list[float]]:
@@ -146,7 +136,6 @@ def profile_ours(mix: EventMix, top: int = 25, name: str = "ours") -> dict[str, 
 
 def run(tiny: bool, reps: int) -> dict[str, Any]:
     mix = event_mix(num_steps=20 if tiny else 400, running=256)
-    from . import proposals  # measured changes to the core's hot path, interleaved with the rest
 
     check = sanity(mix)
     variants = {name: factory for name, (_, factory) in SUBSCRIBERS.items()}

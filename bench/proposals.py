@@ -26,7 +26,7 @@ from otel_llm import tracker as _t
 from otel_llm.events import EventType
 from otel_llm.tracker import Tracker
 
-from .per_event import CONFIG, replay
+from .replay import CONFIG, replay
 from .subscribers import OtelSubscriber, otel_subscriber
 
 _TOKENS = EventType.TOKENS
@@ -73,7 +73,8 @@ def _inline(telemetry: Any) -> None:
     ``observe``) per token event; everything else goes through ``Tracker.handle`` unchanged."""
     from otel_llm import tracker as t
 
-    tracker, metrics, lock = telemetry.tracker, telemetry.metrics, telemetry._lock
+    tracker, metrics, sink = telemetry.tracker, telemetry.metrics, telemetry._sink
+    lock = metrics.lock
     inflight, handle = tracker.inflight, tracker.handle
     observe = metrics.h_itl.observe
 
@@ -99,13 +100,13 @@ def _inline(telemetry: Any) -> None:
                                         continue
                             handle(event)
                         except (TypeError, AttributeError, ValueError):
-                            telemetry.dropped(t.INVALID_VALUE, event)
+                            sink.dropped(t.INVALID_VALUE, event)
                         except Exception:  # noqa: BLE001
-                            telemetry._internal_error(event)
+                            sink.internal_error(event)
                 finally:
                     metrics.n_generation += generated
         except Exception:  # noqa: BLE001
-            telemetry._internal_error(events)
+            sink.internal_error(events)
     telemetry.on_events = on_events
 
 

@@ -7,7 +7,7 @@
   :class:`otel_llm.tracker.Tracker` as the telemetry, so the comparison is about the metric path
   only; same metric set, same buckets (inter-token latency per token included).
 * ``ours`` / ``naive`` -- :class:`otel_llm.EngineTelemetry` with the fast path (default on a
-  provider built with ``otel_llm.views``) or ``fast_path=False`` (one SDK record/add per observation).
+  provider built with ``otel_llm.views``) or ``metric_path="sdk", span_path="tracer"`` (one SDK record/add per observation).
 """
 
 from __future__ import annotations
@@ -263,7 +263,7 @@ class OtelSubscriber:
                    for m in sm.metrics)
 
 
-def otel_subscriber(config: TelemetryConfig, *, fast_path: Optional[bool] = None,
+def otel_subscriber(config: TelemetryConfig, *, metric_path: str = "auto", span_path: str = "auto",
                     span_processor: str = "batch") -> OtelSubscriber:
     """EngineTelemetry on a fresh MeterProvider(views=otel_llm.views(config)) + InMemoryMetricReader;
     with log events on, a LoggerProvider with a BatchLogRecordProcessor to a null exporter."""
@@ -289,7 +289,7 @@ def otel_subscriber(config: TelemetryConfig, *, fast_path: Optional[bool] = None
         lp = LoggerProvider(shutdown_on_exit=False)
         lp.add_log_record_processor(BatchLogRecordProcessor(_NullLogExporter(), max_queue_size=65536))
     telemetry = otel_llm.EngineTelemetry(config, meter_provider=mp, tracer_provider=tp, logger_provider=lp,
-                                         fast_path=fast_path)
+                                         metric_path=metric_path, span_path=span_path)
     return OtelSubscriber(telemetry, mp, reader, tp, lp)
 
 

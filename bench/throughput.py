@@ -24,34 +24,12 @@ from engine_stub import Engine, EngineConfig
 from engine_stub.workload import WorkloadSpec, generate
 from otel_llm.config import DEFAULT_DEFER_STEPS, TelemetryConfig
 from otel_llm.providers import setup_telemetry
+from otel_llm.testing.cost import TimedHooks
 
 from .common import env, median, otlp_receiver, ratio
 
 ENGINE = dict(num_kv_blocks=64, block_size=16, max_num_seqs=32, max_num_batched_tokens=256, seed=0,
               load_plugins=False)
-
-
-class TimedHooks:
-    """Wraps a subscriber to measure the time spent inside it (on_events + on_step): ``ns`` of wall
-    time, ``cpu_ns`` of the calling thread's CPU time (not counting time that other processes or
-    threads take from it); also used by tests/test_reliability_outage.py."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.ns = 0
-        self.cpu_ns = 0
-
-    def on_events(self, events: Any) -> None:
-        t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
-        self.inner.on_events(events)
-        self.cpu_ns += time.thread_time_ns() - c0
-        self.ns += time.perf_counter_ns() - t0
-
-    def on_step(self, stats: Any) -> None:
-        t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
-        self.inner.on_step(stats)
-        self.cpu_ns += time.thread_time_ns() - c0
-        self.ns += time.perf_counter_ns() - t0
 
 
 class _Runner:
@@ -142,7 +120,7 @@ def breakdown(requests: list) -> dict[str, Any]:
     """Where the time inside the hooks goes, in the engine (cold caches between steps, unlike a
     replay loop): the telemetry's per-request methods wrapped with timers, median and total per
     method, for metrics only and with spans (InMemoryMetricReader; BatchSpanProcessor to a null
-    exporter). Nested: ``request_finished`` includes ``FastMetrics.finished``, which includes the
+    exporter). Nested: ``RequestSink.request_finished`` includes ``FastMetrics.finished``, which includes the
     SDK ``record`` of request_num_preemptions."""
     import statistics
 
@@ -167,11 +145,12 @@ def breakdown(requests: list) -> dict[str, Any]:
 
         m = tel.metrics
         m.finished = timed(m.finished, "FastMetrics.finished (11 cells)")
-        tel.request_finished = timed(tel.request_finished, "EngineTelemetry.request_finished (metrics + span end)")
-        tel.request_arrived = timed(tel.request_arrived, "EngineTelemetry.request_arrived (span start)")
-        tel.request_preempted = timed(tel.request_preempted, "EngineTelemetry.request_preempted")
-        tel.first_token = timed(tel.first_token, "EngineTelemetry.first_token")
-        tel.tokens = timed(tel.tokens, "FastMetrics.tokens (counter + ITL cell)")
+        sink = tel._sink  # what the tracker calls per request
+        sink.request_finished = timed(sink.request_finished, "RequestSink.request_finished (metrics + span end)")
+        sink.request_arrived = timed(sink.request_arrived, "RequestSink.request_arrived (span start)")
+        sink.request_preempted = timed(sink.request_preempted, "RequestSink.request_preempted")
+        sink.first_token = timed(sink.first_token, "RequestSink.first_token")
+        sink.tokens = timed(sink.tokens, "FastMetrics.tokens (counter + ITL cell)")
         original = tracker_module.summarize
         tracker_module.summarize = timed(original, "tracker.summarize (RequestSummary)")
         hooks = TimedHooks(tel)

@@ -18,7 +18,7 @@ _LAZY = {
     "HookBus": "otel_llm.hooks",
     "TelemetryConfig": "otel_llm.config",
     "EngineTelemetry": "otel_llm.telemetry",
-    "views": "otel_llm.metrics",
+    "views": "otel_llm.metric_views",
     "setup_telemetry": "otel_llm.providers",
     "TelemetryHandle": "otel_llm.providers",
 }

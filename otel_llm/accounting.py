@@ -61,10 +61,8 @@ class ExportAccounting:
             return
         with self._lock:
             pending, self._pending = self._pending, {}
-        if pending:
-            with telemetry._lock:
-                for reason, n in pending.items():
-                    telemetry.metrics.dropped(reason, n)
+        for reason, n in pending.items():
+            telemetry.count_dropped(reason, n)
 
 
 class _ProcessorDrops:

@@ -15,11 +15,11 @@ With ``exponential=True`` (OTLP's ``base2_exponential_bucket_histogram``), an
 :class:`ExponentialHistogramCell` also keeps base-2 exponential buckets, and the View's
 aggregation exports them as exponential histogram points, bucket for bucket what the SDK's own
 exponential aggregation gives for the same observations and collections (scale, offsets,
-counts; tests/test_exponential.py); a cell keeps both, so a Prometheus reader on the same
+counts; tests/core/test_exponential.py); a cell keeps both, so a Prometheus reader on the same
 provider can still read its explicit buckets.
 
 This relies on SDK internals (``_Aggregation``, ``_ExplicitBucketHistogramAggregation``), so
-pyproject pins ``opentelemetry-sdk`` to 1.45.x and ``tests/test_sdk_contract.py`` holds the
+pyproject pins ``opentelemetry-sdk`` to 1.45.x and ``tests/core/test_sdk_contract.py`` holds the
 contract. The same Aggregation applied to a *synchronous* histogram behaves exactly like
 ``ExplicitBucketHistogramAggregation``: that is how the straightforward path shares the Views.
 """

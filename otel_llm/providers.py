@@ -32,7 +32,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExport
 from . import identity, otlp, sdk_env
 from .accounting import CountingMetricExporter, ExportAccounting, counting_log_processor, counting_processor
 from .config import DEFAULT_DEFER_STEPS, TelemetryConfig
-from .metrics import use_reader_views, views
+from .metric_views import use_reader_views, views
 from .telemetry import EngineTelemetry
 
 _log = logging.getLogger(__name__)
@@ -67,10 +67,11 @@ class TelemetryHandle:
 
     def new_telemetry(self, **overrides: Any) -> EngineTelemetry:
         """Another engine's telemetry on the same providers, e.g. ``new_telemetry(engine="1")``."""
+        sdk = isinstance(self.meter_provider, MeterProvider)  # else disabled: the no-op providers
         telemetry = EngineTelemetry(dataclasses.replace(self.config, **overrides),
                                     meter_provider=self.meter_provider, tracer_provider=self.tracer_provider,
-                                    logger_provider=self.logger_provider,
-                                    fast_path=isinstance(self.meter_provider, MeterProvider))
+                                    logger_provider=self.logger_provider, metric_path="in_process" if sdk else "sdk",
+                                    span_path="auto" if sdk else "tracer")
         self.engines.append(telemetry)
         return telemetry
 
@@ -125,7 +126,7 @@ def setup_telemetry(config: Optional[TelemetryConfig] = None, *,
     if config.sdk_disabled:
         telemetry = EngineTelemetry(config, meter_provider=NoOpMeterProvider(),
                                     tracer_provider=trace.NoOpTracerProvider(),
-                                    logger_provider=NoOpLoggerProvider(), fast_path=False)
+                                    logger_provider=NoOpLoggerProvider(), metric_path="sdk", span_path="tracer")
         return TelemetryHandle(config, telemetry, None, None, engines=[telemetry], extra_views=tuple(extra_views))
 
     resource = _resource(config)
@@ -192,7 +193,7 @@ def setup_telemetry(config: Optional[TelemetryConfig] = None, *,
             logger_provider.add_log_record_processor(BatchLogRecordProcessor(ConsoleLogRecordExporter()))
 
     telemetry = EngineTelemetry(config, meter_provider=meter_provider, tracer_provider=tracer_provider,
-                                logger_provider=logger_provider, fast_path=True)
+                                logger_provider=logger_provider, metric_path="in_process")
     accounting.telemetry = telemetry
     _log.info("otel_llm telemetry: metrics=%s traces=%s logs=%s prometheus=%s settings=%s", metrics_exporters,
               traces_exporters, logs_exporters, prometheus.url if prometheus else None, config.redacted())

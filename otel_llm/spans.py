@@ -1,7 +1,7 @@
 """Request spans: one ``llm_request`` span per request, span events at each preemption; and
 the same preemptions as log-based events (:class:`LogEvents`).
 
-Two ways to make them, with the same output (tests/test_spans_equivalence.py):
+Two ways to make them, with the same output (tests/core/test_spans_equivalence.py):
 
 * :class:`RequestSpans` goes through the Tracer API: a live span from arrival to finish, an
   ``add_event`` per event. Works with any TracerProvider.

@@ -16,9 +16,9 @@ from typing import Iterator
 
 import pytest
 
-sys.path.append(str(Path(__file__).resolve().parents[1]))  # tests/: backends (the OTLP sink)
+sys.path.append(str(Path(__file__).resolve().parents[2]))  # the repository root: tests.support
 
-from backends import start_otlp_sink  # noqa: E402  (after the path above)
+from tests.support.backends import start_otlp_sink  # noqa: E402  (after the path above)
 
 from otel_llm.integrations.vllm_server import make_tiny_llama  # noqa: E402
 

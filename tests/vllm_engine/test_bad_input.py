@@ -12,7 +12,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from backends import wait_until
+from tests.support.backends import wait_until
 
 from otel_llm.integrations.vllm_server import LOOPBACK, Load, VllmServer, run_load
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from backends import wait_until
+from tests.support.backends import wait_until
 
 from otel_llm.integrations.vllm_server import (
     MAX_MODEL_LEN,

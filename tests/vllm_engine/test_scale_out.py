@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from backends import start_otlp_sink, wait_until
+from tests.support.backends import start_otlp_sink, wait_until
 
 from otel_llm.integrations.vllm_server import MODEL_NAME, Load, VllmServer, run_load, scrape, traceparent
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from backends import wait_until
+from tests.support.backends import wait_until
 
 from otel_llm.integrations.vllm import SIBLING_SPAN_NAME
 from otel_llm.integrations.vllm_server import MODEL_NAME, Load, VllmServer, run_load, scrape, traceparent

@@ -1,0 +1,1 @@
+"""Helpers for testing an engine's telemetry."""

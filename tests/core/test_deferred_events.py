@@ -1,0 +1,85 @@
+"""Event batches kept for ``defer_steps`` engine steps, and applied in order: every N batches,
+when the engine goes idle, when a reader collects, on flush() and on shutdown()."""
+
+from __future__ import annotations
+
+from otel_llm import StepStats, TelemetryConfig, setup_telemetry
+from otel_llm.config import DEFAULT_DEFER_STEPS
+from tests.support.otel_helpers import E, RequestEvent, lifecycle, rig
+
+BUSY = StepStats(1.0, num_running=3, num_waiting=1)
+IDLE = StepStats(2.0, num_running=0, num_waiting=0)
+
+
+def test_batches_wait_for_the_nth_step_then_apply_in_order():
+    r = rig(TelemetryConfig(model_name="tiny", defer_steps=4))
+    events = lifecycle("a", 10.0, preemptions=1, tokens=3)  # 10 events, one per batch below
+    for i, event in enumerate(events[:3]):
+        r.telemetry.on_events([event])
+        r.telemetry.on_step(BUSY)
+        assert r.telemetry.tracker.inflight == {} and len(r.telemetry._pending) == i + 1
+    r.telemetry.on_events([events[3]])  # the 4th batch: all four applied, in order
+    req = r.telemetry.tracker.inflight["a"]
+    assert len(r.telemetry._pending) == 0 and req.num_preemptions == 1 and not req.running
+    for event in events[4:]:
+        r.telemetry.on_events([event])
+        assert len(r.telemetry._pending) < 4  # bounded by defer_steps batches
+    r.telemetry.flush()
+    assert r.telemetry.tracker.inflight == {}
+    assert r.point("vllm:request_num_preemptions").sum == 1
+
+
+def test_a_collection_applies_pending_batches_first():
+    r = rig(TelemetryConfig(model_name="tiny", defer_steps=1000))
+    r.telemetry.on_events(lifecycle("a", 10.0, preemptions=2))
+    r.telemetry.on_events(lifecycle("b", 11.0))
+    assert len(r.telemetry._pending) == 2
+    point = r.point("vllm:request_num_preemptions")  # an InMemoryMetricReader collection
+    assert (point.count, point.sum) == (2, 2)
+    assert r.point("vllm:num_preemptions").value == 2
+    assert len(r.telemetry._pending) == 0
+
+
+def test_an_idle_engine_step_applies_pending_batches():
+    r = rig(TelemetryConfig(model_name="tiny", defer_steps=1000))
+    r.telemetry.on_events(lifecycle("a", 10.0))
+    r.telemetry.on_step(BUSY)
+    assert len(r.telemetry._pending) == 1
+    r.telemetry.on_step(IDLE)
+    assert len(r.telemetry._pending) == 0
+    assert [s.attributes["gen_ai.request.id"] for s in r.span_exporter.get_finished_spans()] == ["a"]
+
+
+def test_shutdown_applies_pending_batches_before_ending_open_spans():
+    r = rig(TelemetryConfig(model_name="tiny", defer_steps=1000))
+    r.telemetry.on_events(lifecycle("done", 10.0))
+    r.telemetry.on_events([RequestEvent(E.ARRIVED, "open", 11.0, prompt_tokens=3)])
+    r.telemetry.shutdown()
+    spans = {s.attributes["gen_ai.request.id"]: s for s in r.span_exporter.get_finished_spans()}
+    assert set(spans) == {"done", "open"}
+    assert "llm.request.incomplete" not in spans["done"].attributes
+    assert spans["open"].attributes["llm.request.incomplete"] == "shutdown"
+
+
+def test_the_engine_may_reuse_its_event_list():
+    r = rig(TelemetryConfig(model_name="tiny", defer_steps=2))
+    events = lifecycle("a", 10.0)
+    batch = list(events)
+    r.telemetry.on_events(batch)
+    batch.clear()  # as an engine that reuses one list per step would
+    r.telemetry.flush()
+    assert r.point("vllm:request_success", finished_reason="stop").value == 1
+
+
+def test_setup_telemetry_defers_a_hand_built_telemetry_applies_at_once():
+    handle = setup_telemetry(TelemetryConfig(model_name="m", metrics_exporters=("none",), traces_exporters=("none",)),
+                             environ={})
+    try:
+        assert handle.config.defer_steps == DEFAULT_DEFER_STEPS == handle.telemetry._defer_steps == 16
+        assert handle.new_telemetry(engine="1")._defer_steps == 16
+    finally:
+        handle.shutdown()
+    r = rig(TelemetryConfig(model_name="tiny"))  # as DESIGN's API example builds it
+    r.telemetry.on_events(lifecycle("a", 10.0))
+    assert len(r.telemetry._pending) == 0
+    assert [s.attributes["gen_ai.request.id"] for s in r.span_exporter.get_finished_spans()] == ["a"]

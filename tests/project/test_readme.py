@@ -1,0 +1,51 @@
+"""The README's metric table is rendered from otel_llm.metrics.METRICS: this keeps them in step.
+
+On failure, the assertion message holds the table to paste into README.md.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from otel_llm import TelemetryConfig
+from otel_llm.config import ENV_VARIABLES
+from otel_llm.metrics import METRICS
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def _bounds(values) -> str:
+    shown = [f"{v:g}" for v in values]
+    return ", ".join(shown) if len(shown) <= 9 else f"{', '.join(shown[:3])} … {shown[-1]} ({len(shown)})"
+
+
+def render_metric_table() -> str:
+    vllm, semconv = TelemetryConfig(), TelemetryConfig(naming="semconv")
+    rows = ["| vllm profile | semconv profile | type | unit | extra label | buckets (vllm; semconv if different) "
+            "| meaning |", "|---|---|---|---|---|---|---|"]
+    for m in METRICS:
+        buckets = ""
+        if m.kind == "histogram":
+            buckets = _bounds(m.boundaries(vllm))
+            if m.boundaries(semconv) != m.boundaries(vllm):
+                buckets += f"; {_bounds(m.boundaries(semconv))}"
+        unit = f"`{m.unit}`" if m.unit else ""
+        rows.append(f"| `{m.vllm}` | `{m.semconv}` | {m.kind} | {unit} | {m.label or ''} | {buckets} "
+                    f"| {m.meaning} |")
+    return "\n".join(rows)
+
+
+def test_metric_table_matches_the_code():
+    table = render_metric_table()
+    assert table in README.read_text(), "README.md metric table is out of date; paste:\n" + table
+
+
+def test_every_environment_variable_is_documented():
+    text = README.read_text()
+    missing = [var for var in ENV_VARIABLES if f"`{var}`" not in text]
+    assert not missing, missing
+
+
+def test_readme_opens_with_the_two_commands():
+    head = README.read_text().split("\n## ")[0]
+    assert "make demo" in head and "make test" in head
