@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 READY := $(VENV)/.ready
 ARGS ?=
 
-.PHONY: demo test bench setup clean
+.PHONY: demo test bench setup lint clean
 
 include vllm.mk
 
@@ -28,6 +28,16 @@ demo: $(READY)
 # tests/vllm and tests/vllm_engine run in venvs of their own: `make test-vllm` (vllm.mk).
 test: $(READY)
 	$(PY) -m pytest -q --ignore=tests/vllm --ignore=tests/vllm_engine $(ARGS)
+
+# ruff (lint + format check) and mypy, pinned in the lint extra.
+lint: $(VENV)/.lint-ready
+	$(VENV)/bin/ruff check
+	$(VENV)/bin/ruff format --check
+	$(VENV)/bin/mypy
+
+$(VENV)/.lint-ready: $(READY)
+	$(PIP) install -q -e '.[lint]'
+	touch $@
 
 bench: $(READY)
 	$(PY) -m bench $(ARGS)

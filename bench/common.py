@@ -79,7 +79,10 @@ def rotel_binary() -> Optional[str]:
         import rotel  # noqa: F401
     except ImportError:
         return None
-    path = Path(sys.modules["rotel"].__file__).parent / "rotel-agent"
+    module_file = sys.modules["rotel"].__file__
+    if module_file is None:
+        return None
+    path = Path(module_file).parent / "rotel-agent"
     return str(path) if path.exists() else None
 
 

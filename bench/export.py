@@ -125,6 +125,7 @@ def processes(count: int, mix: Any, endpoint: str) -> dict[str, Any]:
                 telemetry.on_step(stats)
             t0 = time.perf_counter()
             data = reader.get_metrics_data()
+            assert data is not None
             exporter.export(data)
             export_ms.append((time.perf_counter() - t0) * 1e3)
             for p in (p for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics

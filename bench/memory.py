@@ -15,7 +15,7 @@ import gc
 import sys
 import time
 import tracemalloc
-from typing import Any
+from typing import Any, Callable
 
 from otel_llm.config import TelemetryConfig
 from otel_llm.events import EventType, RequestEvent
@@ -27,7 +27,7 @@ from .workload import lifecycle_batch
 
 def inflight_bytes(n: int) -> dict[str, float]:
     out = {}
-    factories = {
+    factories: dict[str, Callable[[], Any]] = {
         "ours_spans_off": lambda: otel_subscriber(TelemetryConfig(model_name="bench", spans=False)),
         "ours_spans_on": lambda: otel_subscriber(TelemetryConfig(model_name="bench", spans=True)),
         "prometheus_client": lambda: PrometheusClientSubscriber(TelemetryConfig(model_name="bench")),

@@ -20,6 +20,7 @@ the same share with a margin that a noisy machine cannot cross; this is the prec
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -52,7 +53,7 @@ def _lockstep(requests: list, endpoints: dict[str, str]) -> dict[str, dict[str, 
             config = TelemetryConfig(model_name="bench", engine=kind, metrics_exporters=("otlp",),
                                      traces_exporters=("otlp",))
             with env(OTEL_EXPORTER_OTLP_ENDPOINT=endpoints[kind], **EXPORT):
-                handles[kind], threads[kind] = started_threads(lambda: setup_telemetry(config))
+                handles[kind], threads[kind] = started_threads(functools.partial(setup_telemetry, config))
             if kind == "outage_no_backoff":
                 _no_backoff(handles[kind])
             hooks[kind] = TimedHooks(handles[kind].telemetry)
@@ -85,6 +86,7 @@ def _lockstep(requests: list, endpoints: dict[str, str]) -> dict[str, dict[str, 
         handle.shutdown()
         out[kind]["shutdown_s"] = time.perf_counter() - t0
         accounting = handle.accounting
+        assert accounting is not None  # setup_telemetry with exporters counts
         out[kind]["spans_delivered"] = accounting.exported.get("spans", 0)
         out[kind]["spans_dropped"] = sum(n for reason, n in accounting.dropped.items() if reason.startswith("spans_"))
     return out

@@ -123,7 +123,7 @@ def profile_ours(mix: EventMix, top: int = 25, name: str = "ours") -> dict[str, 
     sub.shutdown()
     stats = pstats.Stats(prof)
     rows = []
-    for (file, line, func), (cc, nc, tt, ct, _callers) in stats.stats.items():  # type: ignore[attr-defined]
+    for (file, line, func), (_cc, nc, tt, ct, _callers) in stats.stats.items():  # type: ignore[attr-defined]
         rows.append({"function": f"{file.rsplit('/', 2)[-1] if '/' in file else file}:{line}({func})",
                      "calls": nc, "tottime_s": round(tt, 4), "cumtime_s": round(ct, 4),
                      "per_call_us": round(ct / nc * 1e6, 3) if nc else None})

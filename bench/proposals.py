@@ -20,11 +20,11 @@ lifecycle validation that (b) shares with ours; the rest of ours is the metric p
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 from otel_llm import tracker as _t
 from otel_llm.events import EventType
-from otel_llm.tracker import Tracker
+from otel_llm.tracker import Tracker, TrackerSink
 
 from .replay import CONFIG, replay
 from .subscribers import OtelSubscriber, otel_subscriber
@@ -162,11 +162,11 @@ def micro(number: int = 200_000, repeat: int = 7) -> dict[str, float]:
     tel.flush()
     req = tel.tracker.inflight["r"]
     ev = RequestEvent(EventType.TOKENS, "r", 1.2, num_tokens=1)
-    null_tracker = Tracker(_Null(), 10)
+    null_tracker = Tracker(cast(TrackerSink, _Null()), 10)
     null_tracker.inflight["r"] = req
     m = tel.metrics
     ix = _PlainEnum.X
-    cases = {
+    cases: dict[str, tuple[str, dict[str, Any]]] = {
         "python call of a no-op function": ("f(ev)", {"f": lambda e: None}),
         "EventType.ARRIVED (member read through the class)": ("EventType.ARRIVED", {}),
         "module-level alias read": ("T", {}),

@@ -16,6 +16,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
+from opentelemetry.sdk._logs.export import LogRecordExporter, LogRecordExportResult
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from otel_llm import tracker as t
@@ -183,25 +185,17 @@ _REQUEST_HISTOGRAMS = tuple(m.key for m in METRICS if m.kind == "histogram" and 
 # --------------------------------------------------------------------------- OTel subscribers
 
 
-class _NullSpanExporter:
+class _NullSpanExporter(SpanExporter):
     """Span exporter that accepts and drops: measures the processor, not a network."""
 
-    def export(self, spans: Any) -> Any:
-        from opentelemetry.sdk.trace.export import SpanExportResult
+    def export(self, spans: Any) -> SpanExportResult:
         return SpanExportResult.SUCCESS
 
-    def shutdown(self) -> None:
-        pass
 
-    def force_flush(self, timeout_millis: int = 30_000) -> bool:
-        return True
-
-
-class _NullLogExporter:
+class _NullLogExporter(LogRecordExporter):
     """Log record exporter that accepts and drops: measures the processor, not a network."""
 
-    def export(self, batch: Any) -> Any:
-        from opentelemetry.sdk._logs.export import LogRecordExportResult
+    def export(self, batch: Any) -> LogRecordExportResult:
         return LogRecordExportResult.SUCCESS
 
     def shutdown(self) -> None:
@@ -267,11 +261,12 @@ def otel_subscriber(config: TelemetryConfig, *, metric_path: str = "auto", span_
                     span_processor: str = "batch") -> OtelSubscriber:
     """EngineTelemetry on a fresh MeterProvider(views=otel_llm.views(config)) + InMemoryMetricReader;
     with log events on, a LoggerProvider with a BatchLogRecordProcessor to a null exporter."""
-    import otel_llm
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+
+    import otel_llm
 
     reader = InMemoryMetricReader()
     mp = MeterProvider(metric_readers=[reader], views=otel_llm.views(config))

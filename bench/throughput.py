@@ -28,7 +28,7 @@ from otel_llm.testing.cost import TimedHooks
 
 from .common import env, median, otlp_receiver, ratio
 
-ENGINE = dict(num_kv_blocks=64, block_size=16, max_num_seqs=32, max_num_batched_tokens=256, seed=0,
+ENGINE: dict[str, Any] = dict(num_kv_blocks=64, block_size=16, max_num_seqs=32, max_num_batched_tokens=256, seed=0,
               load_plugins=False)
 
 
@@ -134,7 +134,7 @@ def breakdown(requests: list) -> dict[str, Any]:
         tel = sub.telemetry
         times: dict[str, list[int]] = {}
 
-        def timed(fn: Callable[..., Any], label: str) -> Callable[..., Any]:
+        def timed(fn: Callable[..., Any], label: str, times: dict[str, list[int]] = times) -> Callable[..., Any]:
             def wrapper(*args: Any, **kwargs: Any) -> Any:
                 t0 = time.perf_counter_ns()
                 try:

@@ -124,7 +124,7 @@ def run(pairs: int = 5, requests: int = 64, max_tokens: int = 96, log: Any = sys
             plugin_answers = {name: answers(s.metrics_url) for name, s in servers.items()}
             if plugin_answers != {"off": False, "on": True}:
                 raise RuntimeError(f"the plugin's endpoint answers {plugin_answers}: expected on only")
-            for name, server in servers.items():  # warm-up, not counted
+            for server in servers.values():  # warm-up, not counted
                 run_round(server, Load(requests=requests, concurrency=requests, max_tokens=max_tokens, seed=1000))
             for pair in range(1, pairs + 1):
                 load = Load(requests=requests, concurrency=requests, max_tokens=max_tokens, seed=pair)

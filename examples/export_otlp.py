@@ -7,7 +7,8 @@
 import time
 
 from otel_llm import TelemetryConfig, setup_telemetry
-from otel_llm.events import EventType as E, RequestEvent
+from otel_llm.events import EventType as E
+from otel_llm.events import RequestEvent
 
 # metrics_exporters/traces_exporters unset: OTEL_METRICS_EXPORTER / OTEL_TRACES_EXPORTER decide (default otlp).
 handle = setup_telemetry(TelemetryConfig.from_env(model_name="example"))
@@ -15,7 +16,7 @@ t = time.monotonic()
 for i, preemptions in enumerate((0, 1, 3)):
     rid = f"otlp-{i}"
     events = [RequestEvent(E.ARRIVED, rid, t, prompt_tokens=8, max_tokens=4), RequestEvent(E.SCHEDULED, rid, t)]
-    for k in range(preemptions):
+    for _ in range(preemptions):
         events += [RequestEvent(E.PREEMPTED, rid, t, num_computed_tokens=8, reason="kv_cache_full"),
                    RequestEvent(E.SCHEDULED, rid, t)]
     events += [RequestEvent(E.TOKENS, rid, t, num_tokens=1), RequestEvent(E.FINISHED, rid, t, finish_reason="stop")]

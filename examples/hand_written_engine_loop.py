@@ -14,7 +14,8 @@ from collections import deque
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from otel_llm import TelemetryConfig, setup_telemetry
-from otel_llm.events import EventType as E, RequestEvent, StepStats
+from otel_llm.events import EventType as E
+from otel_llm.events import RequestEvent, StepStats
 from otel_llm.hooks import HookBus
 
 NUM_BLOCKS, BLOCK_SIZE = 6, 4

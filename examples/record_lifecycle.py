@@ -10,7 +10,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import otel_llm
-from otel_llm import EngineTelemetry, EventType as E, RequestEvent, TelemetryConfig
+from otel_llm import EngineTelemetry, RequestEvent, TelemetryConfig
+from otel_llm import EventType as E
 
 config = TelemetryConfig(model_name="tiny")
 reader = InMemoryMetricReader()

@@ -173,8 +173,8 @@ class FastMetrics(Recorder):
         self.h_preemptions = cell("request_num_preemptions")
         self.hub.recorders.add(self)
 
-    @property  # type: ignore[override]  # the hub's: engines of one provider share its cells
-    def lock(self) -> threading.Lock:
+    @property
+    def lock(self) -> threading.Lock:  # the hub's: engines of one provider share its cells
         return self.hub.lock
 
     def _cell(self, key: str, attributes: Optional[dict[str, str]] = None) -> HistogramCell:

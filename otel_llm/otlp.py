@@ -58,7 +58,7 @@ def _http_session() -> Any:
     import requests
 
     class _Session(requests.Session):
-        def merge_environment_settings(self, url, proxies, stream, verify, cert):  # type: ignore[no-untyped-def]
+        def merge_environment_settings(self, url, proxies, stream, verify, cert):
             settings = super().merge_environment_settings(url, proxies, stream, verify, cert)
             if verify is None and isinstance(self.verify, str):
                 settings["verify"] = self.verify

@@ -25,7 +25,9 @@ class Recorder:
     that share state (the engines of one MeterProvider share histogram cells) share it.
     """
 
-    lock: threading.Lock
+    @property
+    def lock(self) -> threading.Lock:
+        raise NotImplementedError
 
     def preempted(self, reason: str, num_computed_tokens: int) -> None: ...
     def prompt_tokens(self, n: int) -> None: ...

@@ -23,7 +23,7 @@ _instances: "weakref.WeakSet[SdkMetrics]" = weakref.WeakSet()
 
 def _new_locks_after_fork() -> None:
     for recorder in list(_instances):  # a child must not inherit a lock held by a parent's thread
-        recorder.lock = threading.Lock()
+        recorder._lock = threading.Lock()
 
 
 if hasattr(os, "register_at_fork"):
@@ -35,7 +35,7 @@ class SdkMetrics(Recorder):
 
     def __init__(self, meter_provider: MeterProvider, config: TelemetryConfig) -> None:
         meter = meter_provider.get_meter(SCOPE, __version__)
-        self.lock = threading.Lock()
+        self._lock = threading.Lock()
         _instances.add(self)
         self.config = config
         self.attributes = base_attributes(config)
@@ -55,6 +55,10 @@ class SdkMetrics(Recorder):
                 self.i[m.key] = meter.create_histogram(name, m.unit, m.meaning)
         for reason in DROP_REASONS:
             self.i["dropped_events"].add(0, {**self.attributes, "reason": reason})
+
+    @property
+    def lock(self) -> threading.Lock:
+        return self._lock
 
     def preempted(self, reason: str, num_computed_tokens: int) -> None:
         i, attrs = self.i, self.attributes

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 from .events import EventType, RequestEvent
 
@@ -188,8 +188,9 @@ class Tracker:
         # slot deleted from the front since the last resize: ~80 us per request at 10^5 ids).
         self.inflight: OrderedDict[str, RequestState] = OrderedDict()  # arrival order
         self.finished: OrderedDict[str, None] = OrderedDict()  # recently finished ids, oldest first
-        self._handlers = {
-            EventType.ARRIVED: self._arrived,  # type: ignore[dict-item]
+        # Keyed by whatever an event carries as its type: garbage finds no handler.
+        self._handlers: dict[object, Callable[..., None]] = {
+            EventType.ARRIVED: self._arrived,
             EventType.QUEUED: self._queued,
             EventType.SCHEDULED: self._scheduled,
             EventType.PREEMPTED: self._preempted,
@@ -280,9 +281,10 @@ class Tracker:
         req.running = True
         if req.first_scheduled is None:
             req.first_scheduled = ts
-        resumed = req.preempted_at is not None
-        if resumed:
-            req.preempted_time += ts - req.preempted_at
+        preempted_at = req.preempted_at
+        resumed = preempted_at is not None
+        if preempted_at is not None:
+            req.preempted_time += ts - preempted_at
             req.preempted_at = None
         self.sink.request_scheduled(req, ts, resumed)
 

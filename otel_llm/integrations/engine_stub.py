@@ -25,7 +25,7 @@ def register(engine: Any, config: Optional[TelemetryConfig] = None, **setup_kwar
     """
     if config is None:
         overrides = {} if os.environ.get("OTEL_LLM_MODEL_NAME") else {"model_name": MODEL_NAME}
-        config = TelemetryConfig.from_env(**overrides)
+        config = TelemetryConfig.from_env(None, **overrides)
     handle = setup_telemetry(config, **setup_kwargs)
     engine.hooks.subscribe(handle.telemetry)
     engine.telemetry_handle = handle

@@ -38,7 +38,7 @@ class SpanReceiver(trace_service_pb2_grpc.TraceServiceServicer):
     def endpoint(self) -> str:
         return f"http://{LOOPBACK}:{self.port}"
 
-    def Export(self, request: Any, context: Any) -> Any:  # noqa: N802 - the gRPC method's name
+    def Export(self, request: Any, context: Any) -> Any:  # the gRPC method's name
         received = [span for rs in request.resource_spans for ss in rs.scope_spans for span in ss.spans]
         with self._changed:
             self.spans.extend(received)
