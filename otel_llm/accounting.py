@@ -3,7 +3,8 @@ in failed exports, metric points of failed exports. Onto ``otel_llm.dropped_even
 
 The SDK reports these only as log lines (its ``otel.sdk.*`` self-metrics are off by default
 and go to the global MeterProvider, which a plugin does not own), so the exporters and the
-batch processor's drop hook are wrapped here. Relies on SDK 1.45 internals (pinned).
+batch processor's drop hook are wrapped here (SDK internals: otel_llm._sdk.batch_processor and
+.metric_exporter; where they do not hold, those losses go uncounted and the start-up warning says so).
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from opentelemetry.sdk._logs.export import BatchLogRecordProcessor, LogRecordExporter, LogRecordExportResult
 from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
+from . import _sdk
+from ._sdk import batch_processor, metric_exporter
+from ._sdk.logs import BatchLogRecordProcessor, LogRecordExporter, LogRecordExportResult
 from .tracker import METRIC_POINTS_EXPORT_FAILED, SPANS_AFTER_SHUTDOWN, SPANS_EXPORT_FAILED, SPANS_QUEUE_FULL
 
 if TYPE_CHECKING:
@@ -87,9 +90,9 @@ class _ProcessorDrops:
 
 
 def _count_drops(processor: Any, accounting: ExportAccounting, queue_full: str, after_shutdown: str) -> None:
-    batch = getattr(processor, "_batch_processor", None)  # SDK 1.45 internals (pinned)
-    if batch is not None and hasattr(batch, "_metrics"):
-        batch._metrics = _ProcessorDrops(batch._metrics, accounting, queue_full, after_shutdown)
+    if _sdk.holds("batch_processor"):
+        batch_processor.wrap_drop_hook(processor,
+                                       lambda hook: _ProcessorDrops(hook, accounting, queue_full, after_shutdown))
 
 
 def counting_processor(exporter: SpanExporter, accounting: ExportAccounting) -> BatchSpanProcessor:
@@ -181,8 +184,8 @@ class _CountingExporter(SpanExporter, LogRecordExporter):
 
 class CountingMetricExporter(MetricExporter):
     def __init__(self, exporter: MetricExporter, accounting: ExportAccounting) -> None:
-        super().__init__(preferred_temporality=exporter._preferred_temporality,
-                         preferred_aggregation=exporter._preferred_aggregation)
+        temporality, aggregation = metric_exporter.preferences(exporter)
+        super().__init__(preferred_temporality=temporality, preferred_aggregation=aggregation)
         self._exporter = exporter
         self._accounting = accounting
         self._backoff = Backoff()

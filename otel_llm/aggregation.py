@@ -18,9 +18,9 @@ exponential aggregation gives for the same observations and collections (scale, 
 counts; tests/core/test_exponential.py); a cell keeps both, so a Prometheus reader on the same
 provider can still read its explicit buckets.
 
-This relies on SDK internals (``_Aggregation``, ``_ExplicitBucketHistogramAggregation``), so
-pyproject pins ``opentelemetry-sdk`` to 1.45.x and ``tests/core/test_sdk_contract.py`` holds the
-contract. The same Aggregation applied to a *synchronous* histogram behaves exactly like
+This relies on SDK internals (``Aggregation._create_aggregation``, the histogram aggregation
+classes, the exponential mapping), all in :mod:`otel_llm._sdk` with their contract checks; where
+they do not hold, the telemetry records through the SDK's instruments instead. The same Aggregation applied to a *synchronous* histogram behaves exactly like
 ``ExplicitBucketHistogramAggregation``: that is how the straightforward path shares the Views.
 """
 
@@ -34,23 +34,19 @@ from typing import Any, Callable, Optional, Sequence
 
 from opentelemetry.context import Context, create_key, get_value, set_value
 from opentelemetry.metrics import Observation
+from opentelemetry.sdk.metrics import Exemplar
 from opentelemetry.sdk.metrics import Histogram as SdkHistogram
-from opentelemetry.sdk.metrics._internal.aggregation import (
-    AggregationTemporality,
-    _ExplicitBucketHistogramAggregation,
-    _ExponentialBucketHistogramAggregation,
-)
-from opentelemetry.sdk.metrics._internal.exemplar import Exemplar
-from opentelemetry.sdk.metrics._internal.exponential_histogram.mapping.ieee_754 import MIN_NORMAL_VALUE
-from opentelemetry.sdk.metrics._internal.exponential_histogram.mapping.logarithm_mapping import LogarithmMapping
-from opentelemetry.sdk.metrics._internal.point import Buckets as BucketsPoint
-from opentelemetry.sdk.metrics._internal.point import ExponentialHistogramDataPoint, HistogramDataPoint
+from opentelemetry.sdk.metrics.export import AggregationTemporality, ExponentialHistogramDataPoint, HistogramDataPoint
+from opentelemetry.sdk.metrics.export import Buckets as BucketsPoint
 from opentelemetry.sdk.metrics.view import (
     Aggregation,
     ExplicitBucketHistogramAggregation,
     ExponentialBucketHistogramAggregation,
 )
 from opentelemetry.util.types import Attributes
+
+from ._sdk import aggregation as sdk_aggregation
+from ._sdk.exponential_mapping import MAX_SCALE, index_at_max_scale
 
 _CELL_KEY = create_key("otel_llm.histogram_cell")
 
@@ -121,25 +117,8 @@ class HistogramCell:
         return Observation(0, self.attributes, context=set_value(_CELL_KEY, self, Context()))
 
 
-# The SDK's exponential histogram defaults (OTel spec): 160 buckets per sign, from scale 20.
-MAX_SCALE = 20
+# The SDK's exponential histogram default (OTel spec): 160 buckets per sign, from scale MAX_SCALE (20).
 MAX_SIZE = 160
-_MAPPING = LogarithmMapping(MAX_SCALE)
-_SCALE_FACTOR = _MAPPING._scale_factor
-_MIN_NORMAL_INDEX = _MAPPING._min_normal_lower_boundary_index
-_MAX_NORMAL_INDEX = _MAPPING._max_normal_lower_boundary_index
-
-
-def _index_at_max_scale(value: float) -> int:
-    """LogarithmMapping(20).map_to_index(value) for value > 0, the same arithmetic, inlined
-    (frexp's mantissa is 0.5 exactly for powers of two)."""
-    if value <= MIN_NORMAL_VALUE:
-        return _MIN_NORMAL_INDEX - 1
-    mantissa, exponent = math.frexp(value)
-    if mantissa == 0.5:
-        return ((exponent - 1) << MAX_SCALE) - 1
-    index = math.floor(math.log(value) * _SCALE_FACTOR)
-    return index if index < _MAX_NORMAL_INDEX else _MAX_NORMAL_INDEX
 
 
 class ExponentialBuckets:
@@ -208,7 +187,7 @@ class ExponentialHistogramCell(HistogramCell):
     def observe(self, value: float, exemplar: Optional[ExemplarIds] = None) -> None:
         HistogramCell.observe(self, value, exemplar)
         if value > 0:  # the common case inline: a positive value into a bucket that exists
-            index, negative = _index_at_max_scale(value), False
+            index, negative = index_at_max_scale(value), False
             scale, positive, _ = self.exponential.state
             i = index >> (MAX_SCALE - scale)
             count = positive.get(i)
@@ -217,7 +196,7 @@ class ExponentialHistogramCell(HistogramCell):
             else:
                 self.exponential.add(index, False)
         else:
-            index, negative = (_index_at_max_scale(-value), True) if value < 0 else (0, False)
+            index, negative = (index_at_max_scale(-value), True) if value < 0 else (0, False)
             _add(self.exponential, value, index, negative)
         if self.intervals:
             with self.lock:
@@ -286,7 +265,7 @@ def _new_exemplars(aggregation: Any, cell: HistogramCell, seq: int) -> list[Exem
     ]
 
 
-class _CellAggregation(_ExplicitBucketHistogramAggregation):
+class _CellAggregation(sdk_aggregation.ExplicitBucketHistogramAggregation):  # type: ignore[misc]
     """Per reader and attribute set: reads the bound :class:`HistogramCell` at collect time.
 
     Subclassing the SDK's explicit-bucket aggregation makes the metric reader storage wrap
@@ -296,7 +275,7 @@ class _CellAggregation(_ExplicitBucketHistogramAggregation):
     def __init__(self, attributes: Attributes, start_time_unix_nano: int, reservoir_factory: Callable[..., Any],
                  boundaries: tuple[float, ...]) -> None:
         super().__init__(attributes, AggregationTemporality.CUMULATIVE, start_time_unix_nano,
-                         reservoir_factory(_ExplicitBucketHistogramAggregation), boundaries)
+                         reservoir_factory(sdk_aggregation.ExplicitBucketHistogramAggregation), boundaries)
         self._cell: Optional[HistogramCell] = None
         self._last_counts: Optional[list[int]] = None  # at the previous collect (delta)
         self._last_sum: float = 0
@@ -351,7 +330,7 @@ class _CellAggregation(_ExplicitBucketHistogramAggregation):
         )
 
 
-class _ExponentialCellAggregation(_ExponentialBucketHistogramAggregation):
+class _ExponentialCellAggregation(sdk_aggregation.ExponentialBucketHistogramAggregation):  # type: ignore[misc]
     """Per reader and attribute set: reads the bound :class:`ExponentialHistogramCell` at collect
     time, as exponential histogram points equal to the SDK's for a synchronous histogram:
 
@@ -366,7 +345,7 @@ class _ExponentialCellAggregation(_ExponentialBucketHistogramAggregation):
 
     def __init__(self, attributes: Attributes, start_time_unix_nano: int,
                  reservoir_factory: Callable[..., Any]) -> None:
-        super().__init__(attributes, reservoir_factory(_ExponentialBucketHistogramAggregation),
+        super().__init__(attributes, reservoir_factory(sdk_aggregation.ExponentialBucketHistogramAggregation),
                          AggregationTemporality.CUMULATIVE, start_time_unix_nano)
         self._cell: Optional[HistogramCell] = None
         self._last_seq = 0

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Optional, Sequence
 
 from opentelemetry.sdk.metrics.view import View
 
+from ._sdk import views as sdk_views
 from .aggregation import InProcessHistogram
 from .config import TelemetryConfig
 from .metrics import BY_KEY, METRICS, SCOPE
@@ -41,17 +41,12 @@ def use_reader_views(meter_provider: Any, reader: Any, reader_views: Sequence[Vi
     """Give one reader of ``meter_provider`` Views of its own (the SDK has Views per provider only):
     OTLP readers get exponential histograms while a Prometheus reader keeps explicit buckets.
     Before any instrument records (its streams are made from the Views on first use). Relies on
-    SDK 1.45 internals (pinned; tests/core/test_exponential.py)."""
-    storage = meter_provider._measurement_consumer._reader_storages[reader]
-    storage._sdk_config = dataclasses.replace(storage._sdk_config, views=list(reader_views))
+    SDK internals (otel_llm._sdk.views)."""
+    sdk_views.set_reader_views(meter_provider, reader, reader_views)
 
 
 def provider_has_views(meter_provider: Any, config: TelemetryConfig) -> bool:
     """True when ``meter_provider`` was built with :func:`views` for this naming profile."""
-    sdk_config = getattr(meter_provider, "_sdk_config", None)
     wanted = BY_KEY["inter_token_latency_seconds"].instrument_name(config.naming)
-    return any(
-        isinstance(getattr(v, "_aggregation", None), InProcessHistogram)
-        and getattr(v, "_instrument_name", None) == wanted
-        for v in getattr(sdk_config, "views", ())
-    )
+    return any(isinstance(sdk_views.aggregation(v), InProcessHistogram) and sdk_views.instrument_name(v) == wanted
+               for v in sdk_views.provider_views(meter_provider))

@@ -46,9 +46,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 
-from opentelemetry.exporter.prometheus import PrometheusMetricReader, _CustomCollector
-from opentelemetry.exporter.prometheus import _get_or_create_family  # upstream helper, pinned <0.67
-from opentelemetry.exporter.prometheus._mapping import map_unit
+from opentelemetry.exporter.prometheus import PrometheusMetricReader
 from opentelemetry.sdk.metrics.export import Histogram, HistogramDataPoint, Metric, MetricReader
 from prometheus_client import CollectorRegistry
 from prometheus_client import exposition as text_exposition
@@ -56,6 +54,9 @@ from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.openmetrics import exposition as om_exposition
 from prometheus_client.samples import Exemplar, Timestamp
 from prometheus_client.utils import floatToGoString
+
+from . import _sdk
+from ._sdk import prometheus as sdk_prometheus
 
 __all__ = ["PrometheusEndpoint", "ExemplarPrometheusMetricReader", "render"]
 
@@ -70,7 +71,7 @@ _MAX_CONNECTIONS = 8
 _REQUEST_TIMEOUT = 10.0
 
 
-class _ExemplarCollector(_CustomCollector):
+class _ExemplarCollector(sdk_prometheus.CustomCollector):  # type: ignore[misc]
     """Upstream's collector, with exemplars on histogram buckets and canonical ``le``."""
 
     def __init__(self, **kwargs: Any) -> None:
@@ -107,10 +108,10 @@ class _ExemplarCollector(_CustomCollector):
             return
         metric_name = self._resolve_metric_name(metric.name)
         description = metric.description or ""
-        unit = map_unit(metric.unit or "")
+        unit = sdk_prometheus.map_unit(metric.unit or "")  # type: ignore[misc]
         label_keys, label_rows, _ = self._collect_data_points(metric.data, scope_attrs, resource_attrs)
         per_metric_family_id = "|".join((metric_name, description, unit))
-        family = _get_or_create_family(
+        family = sdk_prometheus.get_or_create_family(  # type: ignore[misc]
             metric_family_id_metric_family,
             "|".join([per_metric_family_id, HistogramMetricFamily.__name__]),
             HistogramMetricFamily,
@@ -179,27 +180,48 @@ class ExemplarPrometheusMetricReader(PrometheusMetricReader):
             registry=CollectorRegistry(auto_describe=False),
             **kwargs,
         )
-        upstream = self._collector
-        self._collector = _ExemplarCollector(
+        sdk_prometheus.replace_collector(self, _ExemplarCollector(
             disable_target_info=disable_target_info,
             prefix=prefix,
             scope_info_enabled=scope_info_enabled,
             resource_attribute_filter=kwargs.get("resource_attribute_filter"),
-        )
-        self._collector._callback = self.collect
-        upstream._callback = None
+        ))
         self._registry = registry
-        self._registry.register(self._collector)
+        self._registry.register(sdk_prometheus.collector(self))
         self._unregistered = False
 
     def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
-        if self._unregistered:
-            return
-        self._unregistered = True
-        try:
-            self._registry.unregister(self._collector)
-        except KeyError:
-            pass
+        _unregister(self, self._registry)
+
+
+class UpstreamPrometheusMetricReader(PrometheusMetricReader):
+    """The exporter's own reader and collector (no exemplars, ``le`` as the exporter writes it),
+    registered in a given registry: where the exporter's internals that
+    :class:`ExemplarPrometheusMetricReader` extends are not what it relies on."""
+
+    def __init__(self, registry: CollectorRegistry, *, disable_target_info: bool = False,
+                 scope_info_enabled: bool = False) -> None:
+        if "registry" in sdk_prometheus.READER_PARAMETERS:
+            super().__init__(disable_target_info=disable_target_info, scope_info_enabled=scope_info_enabled,
+                             registry=registry)
+        else:  # before exporter 0.63b0: it registers in the global REGISTRY (and has no scope labels)
+            super().__init__(disable_target_info=disable_target_info)
+            sdk_prometheus.move_to(self, registry)
+        self._registry = registry
+        self._unregistered = False
+
+    def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
+        _unregister(self, self._registry)
+
+
+def _unregister(reader: Any, registry: CollectorRegistry) -> None:
+    if reader._unregistered:
+        return
+    reader._unregistered = True
+    try:
+        registry.unregister(sdk_prometheus.collector(reader))
+    except KeyError:
+        pass
 
 
 def _openmetrics_renderer() -> Callable[[CollectorRegistry], bytes]:
@@ -315,7 +337,8 @@ class PrometheusEndpoint:
         self.port = int(port)
         self.ports = int(ports)
         self.registry = CollectorRegistry(auto_describe=False)
-        self.reader: MetricReader = ExemplarPrometheusMetricReader(
+        reader = ExemplarPrometheusMetricReader if _sdk.holds("prometheus") else UpstreamPrometheusMetricReader
+        self.reader: MetricReader = reader(
             self.registry,
             disable_target_info=disable_target_info,
             scope_info_enabled=scope_info_enabled,

@@ -15,21 +15,20 @@ from typing import Any, Mapping, Optional, Sequence
 from opentelemetry import trace
 from opentelemetry._logs import NoOpLoggerProvider
 from opentelemetry.metrics import NoOpMeterProvider
-from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics._internal.exemplar import (
+from opentelemetry.sdk.metrics import (
     AlwaysOffExemplarFilter,
     AlwaysOnExemplarFilter,
+    MeterProvider,
     TraceBasedExemplarFilter,
 )
 from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, MetricReader, PeriodicExportingMetricReader
 from opentelemetry.sdk.metrics.view import View
-from opentelemetry.sdk._logs import LoggerProvider
-from opentelemetry.sdk._logs.export import BatchLogRecordProcessor, ConsoleLogRecordExporter
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
 
-from . import identity, otlp, sdk_env
+from . import _sdk, identity, otlp, sdk_env
+from ._sdk.logs import BatchLogRecordProcessor, ConsoleLogRecordExporter, LoggerProvider
 from .accounting import CountingMetricExporter, ExportAccounting, counting_log_processor, counting_processor
 from .config import DEFAULT_DEFER_STEPS, TelemetryConfig
 from .metric_views import use_reader_views, views
@@ -68,9 +67,11 @@ class TelemetryHandle:
     def new_telemetry(self, **overrides: Any) -> EngineTelemetry:
         """Another engine's telemetry on the same providers, e.g. ``new_telemetry(engine="1")``."""
         sdk = isinstance(self.meter_provider, MeterProvider)  # else disabled: the no-op providers
+        in_process = sdk and _sdk.in_process_metrics(self.config.exponential)
         telemetry = EngineTelemetry(dataclasses.replace(self.config, **overrides),
                                     meter_provider=self.meter_provider, tracer_provider=self.tracer_provider,
-                                    logger_provider=self.logger_provider, metric_path="in_process" if sdk else "sdk",
+                                    logger_provider=self.logger_provider,
+                                    metric_path="in_process" if in_process else "sdk",
                                     span_path="auto" if sdk else "tracer")
         self.engines.append(telemetry)
         return telemetry
@@ -160,7 +161,9 @@ def setup_telemetry(config: Optional[TelemetryConfig] = None, *,
     accounting = ExportAccounting()
     otlp_reader = None
     if "otlp" in metrics_exporters:
-        exporter = CountingMetricExporter(otlp.exporter(config, env, "metrics"), accounting)
+        exporter = otlp.exporter(config, env, "metrics")
+        if _sdk.holds("metric_exporter"):
+            exporter = CountingMetricExporter(exporter, accounting)
         otlp_reader = PeriodicExportingMetricReader(exporter, export_interval_millis=interval)
         readers.append(otlp_reader)
     if "console" in metrics_exporters:
@@ -193,7 +196,8 @@ def setup_telemetry(config: Optional[TelemetryConfig] = None, *,
             logger_provider.add_log_record_processor(BatchLogRecordProcessor(ConsoleLogRecordExporter()))
 
     telemetry = EngineTelemetry(config, meter_provider=meter_provider, tracer_provider=tracer_provider,
-                                logger_provider=logger_provider, metric_path="in_process")
+                                logger_provider=logger_provider,
+                                metric_path="in_process" if _sdk.in_process_metrics(config.exponential) else "sdk")
     accounting.telemetry = telemetry
     _log.info("otel_llm telemetry: metrics=%s traces=%s logs=%s prometheus=%s settings=%s", metrics_exporters,
               traces_exporters, logs_exporters, prometheus.url if prometheus else None, config.redacted())

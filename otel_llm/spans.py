@@ -32,6 +32,8 @@ from opentelemetry.trace import TraceFlags, TracerProvider
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from . import __version__
+from . import _sdk
+from ._sdk import tracer as sdk_tracer
 from .aggregation import ExemplarIds
 from .config import TelemetryConfig
 from .metrics import ERROR_TYPE, GEN_AI_OPERATION
@@ -50,7 +52,7 @@ def request_spans(config: TelemetryConfig, tracer_provider: Optional[TracerProvi
                   assembled: bool = True) -> "RequestSpans":
     """Assembled spans when the provider is the SDK's (and ``assembled``), else the Tracer API path."""
     tracer = trace.get_tracer("otel_llm", __version__, tracer_provider=tracer_provider)
-    if assembled and isinstance(tracer, SdkTracer):
+    if assembled and isinstance(tracer, SdkTracer) and _sdk.holds("tracer"):
         return AssembledSpans(config, tracer, exemplar_filter)
     return RequestSpans(config, tracer, exemplar_filter)
 
@@ -187,7 +189,7 @@ class AssembledSpans(RequestSpans):
     def __init__(self, config: TelemetryConfig, tracer: SdkTracer, exemplar_filter: str) -> None:
         super().__init__(config, tracer, exemplar_filter)
         self.tracer: SdkTracer = tracer
-        limits = tracer._span_limits
+        limits = sdk_tracer.span_limits(tracer)
         self._max_events = limits.max_events
         self._max_attributes = limits.max_span_attributes
         self._max_event_attributes = limits.max_event_attributes
@@ -202,21 +204,18 @@ class AssembledSpans(RequestSpans):
         tracer = self.tracer
         context = _propagator.extract(carrier) if carrier else None
         parent: Optional[SpanContext] = trace.get_current_span(context).get_span_context()
-        if not tracer._is_enabled():
+        if not sdk_tracer.is_enabled(tracer):
             return _OpenSpan(NonRecordingSpan(parent or INVALID_SPAN_CONTEXT), None, 0, None, None)
         ids = tracer.id_generator
         if parent is None or not parent.is_valid:
             parent = None
             trace_id = ids.generate_trace_id()
-            random_trace_id = ids.is_trace_id_random()
         else:
             trace_id = parent.trace_id
-            random_trace_id = parent.trace_flags.random_trace_id
         attributes = self._start_attributes(request_id, attributes)
         sampling = tracer.sampler.should_sample(context, trace_id, self.name, self.kind, attributes, None)
         flags = TraceFlags.SAMPLED if sampling.decision.is_sampled() else TraceFlags.DEFAULT
-        if random_trace_id:
-            flags |= TraceFlags.RANDOM_TRACE_ID
+        flags |= sdk_tracer.random_trace_id_flag(tracer, parent)
         span_context = SpanContext(trace_id, ids.generate_span_id(), is_remote=False, trace_flags=TraceFlags(flags),
                                    trace_state=sampling.trace_state)
         api = NonRecordingSpan(span_context)
@@ -240,11 +239,11 @@ class AssembledSpans(RequestSpans):
     def _emit(self, span: _OpenSpan, status: Status, end_ns: int) -> None:
         tracer = self.tracer
         if isinstance(span.attributes, BoundedAttributes):
-            span.attributes._immutable = True  # as the SDK's Span.end does
+            sdk_tracer.freeze(span.attributes)
         tracer.span_processor.on_end(ReadableSpan(
             self.name, span.api.get_span_context(), span.parent, tracer.resource, span.attributes, span.events, (),
             self.kind, tracer.instrumentation_info, status, span.start_ns, end_ns,
-            tracer._instrumentation_scope))
+            sdk_tracer.instrumentation_scope(tracer)))
 
     def end(self, span: _OpenSpan, summary: RequestSummary, extra: Optional[Mapping[str, Any]] = None) -> None:
         if span.events is None:
@@ -268,6 +267,8 @@ class LogEvents:
 
     def __init__(self, logger_provider: Any, spans: Optional[RequestSpans]) -> None:
         self.logger = _logs.get_logger("otel_llm", __version__, logger_provider=logger_provider)
+        # An SDK whose Logs API has no event_name emits nothing here (_sdk's start-up warning says so).
+        self.supported = _sdk.holds("log_events")
         self._spans = spans
         offset_ns = time.time_ns() - time.monotonic_ns()
         # The spans' clock when there are spans: a log record and its span event share a timestamp.
@@ -275,6 +276,8 @@ class LogEvents:
 
     def preempted(self, request_id: str, span: Any, ordinal: int, ts: float, num_computed_tokens: int,
                   reason: str) -> None:
+        if not self.supported:
+            return
         context = (trace.set_span_in_context(self._spans._api_span(span), Context())
                    if span is not None and self._spans is not None else Context())
         self.logger.emit(timestamp=self.wall_ns(ts), context=context, event_name=PREEMPTED_EVENT, attributes={

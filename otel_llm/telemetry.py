@@ -22,6 +22,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 from opentelemetry import metrics as metrics_api
 
+from . import _sdk
 from . import tracker as t
 from .config import TelemetryConfig
 from .events import RequestEvent, StepStats
@@ -45,6 +46,8 @@ def _recorder(meter_provider: Any, config: TelemetryConfig, metric_path: str) ->
         raise ValueError(f"metric_path: {metric_path!r} is not one of {METRIC_PATHS}")
     in_process = metric_path == "in_process"
     if metric_path == "auto":
+        if not _sdk.in_process_metrics(config.exponential):
+            return SdkMetrics(meter_provider, config)  # _sdk's start-up warning says why
         in_process = provider_has_views(meter_provider, config)
         if not in_process and id(meter_provider) not in _warned_providers:
             _warned_providers.add(id(meter_provider))

@@ -206,12 +206,15 @@ def test_reader_views_give_one_reader_exponential_and_another_explicit():
 
 
 def test_inlined_index_is_the_sdk_mapping():
-    from otel_llm.aggregation import _MAPPING, _index_at_max_scale
+    from opentelemetry.sdk.metrics._internal.exponential_histogram.mapping.logarithm_mapping import LogarithmMapping
 
+    from otel_llm._sdk.exponential_mapping import MAX_SCALE, index_at_max_scale
+
+    mapping = LogarithmMapping(MAX_SCALE)
     rnd = random.Random(5)
     values = [rnd.lognormvariate(0, 10) for _ in range(20000)] + [2.0 ** k for k in range(-1074, 1024)]
     values += [5e-324, 1e-310, 2.2250738585072014e-308, 1.7976931348623157e308, 3.0, 1.0, 0.1]
-    assert [_index_at_max_scale(v) for v in values] == [_MAPPING.map_to_index(v) for v in values]
+    assert [index_at_max_scale(v) for v in values] == [mapping.map_to_index(v) for v in values]
 
 
 @pytest.mark.parametrize("delta", [False, True], ids=["cumulative", "delta"])

@@ -1,47 +1,62 @@
-"""The SDK internals that otel_llm.aggregation and the batched records of metrics._Hub rely on
-(pyproject pins opentelemetry-sdk 1.45.x). spans.AssembledSpans is held by
-tests/core/test_spans_equivalence.py, which compares its spans with the SDK Tracer's.
-
-If an SDK upgrade changes any of these, this file fails first and names what moved.
+"""The SDK contracts (otel_llm._sdk): each private name the fast paths use, checked on the
+installed SDK. On the newest SDK every contract holds; on an older one (make test-sdk-oldest) a
+contract may not hold, and then the telemetry's public path is used (tests of that fallback run
+on that SDK: the equivalence tests, the suite). A contract that does not hold on the newest SDK
+fails here first and names what moved.
 """
 
 from __future__ import annotations
 
-import inspect
+import logging
 from importlib.metadata import version
 
-from opentelemetry.metrics import Observation
-from opentelemetry.sdk.metrics._internal import aggregation as sdk_aggregation
-from opentelemetry.sdk.metrics._internal import metric_reader_storage
-from opentelemetry.sdk.metrics._internal.point import HistogramDataPoint
+import pytest
 
+from otel_llm import TelemetryConfig, _sdk, views
 from otel_llm.aggregation import HistogramCell, InProcessHistogram
 from otel_llm.metric_views import provider_has_views
-from otel_llm import TelemetryConfig, views
+from tests.support.sdk_versions import at_least
+
+# The SDK release from which each contract holds: checked on 1.28 and 1.45; the releases in
+# between read from their sources (exponential_mapping: 1.28 carries a delta interval's scale
+# over, 1.45 does not; the release between is not pinned down).
+HOLDS_FROM = {
+    "aggregation": "1.28",
+    "exponential_mapping": "1.45",
+    "views": "1.28",
+    "tracer": "1.28",
+    "batch_processor": "1.41",
+    "metric_exporter": "1.28",
+    "prometheus": "1.43",  # opentelemetry-exporter-prometheus 0.64b0
+    "prometheus_collector": "1.28",
+    "log_events": "1.38",
+}
 
 
-def test_sdk_version_in_the_pinned_range():
-    assert version("opentelemetry-sdk").startswith("1.45.")
+def test_every_contract_has_a_release_it_holds_from():
+    assert set(HOLDS_FROM) == set(_sdk.CONTRACTS)
 
 
-def test_observations_carry_a_context():
-    assert "context" in inspect.signature(Observation.__init__).parameters
+@pytest.mark.parametrize("name", sorted(_sdk.CONTRACTS))
+def test_contract_holds_on_the_sdks_that_have_it(name):
+    module, function, _ = _sdk.CONTRACTS[name]
+    check = getattr(__import__(f"otel_llm._sdk.{module}", fromlist=[function]), function)
+    if not at_least(HOLDS_FROM[name]):
+        pytest.skip(f"{name} holds from opentelemetry-sdk {HOLDS_FROM[name]}; installed {version('opentelemetry-sdk')}")
+    check()
+    assert _sdk.holds(name)
 
 
-def test_histogram_points_are_recognised_by_aggregation_class():
-    # MetricReaderStorage wraps points as Histogram when the aggregation is an explicit-bucket one.
-    source = inspect.getsource(metric_reader_storage.MetricReaderStorage.collect)
-    assert "_ExplicitBucketHistogramAggregation" in source
-    init = inspect.signature(sdk_aggregation._ExplicitBucketHistogramAggregation.__init__).parameters
-    assert list(init)[1:6] == ["attributes", "instrument_aggregation_temporality", "start_time_unix_nano",
-                               "reservoir_builder", "boundaries"]
-    assert {"attributes", "exemplars", "bucket_counts", "explicit_bounds", "min", "max"} <= set(
-        inspect.signature(HistogramDataPoint).parameters)
-
-
-def test_create_aggregation_signature():
-    params = list(inspect.signature(sdk_aggregation.Aggregation._create_aggregation).parameters)
-    assert params == ["self", "instrument", "attributes", "reservoir_factory", "start_time_unix_nano"]
+def test_unmet_contracts_are_named_in_one_warning(monkeypatch, caplog):
+    monkeypatch.setattr(_sdk, "_unmet", None)
+    monkeypatch.setitem(_sdk.CONTRACTS, "aggregation", ("tracer", "missing_check", _sdk.CONTRACTS["aggregation"][2]))
+    with caplog.at_level(logging.WARNING, logger="otel_llm"):
+        assert not _sdk.holds("aggregation")
+        assert not _sdk.in_process_metrics(False)
+        _sdk.holds("tracer")
+    warnings = [r for r in caplog.records if "OpenTelemetry SDK" in r.getMessage()]
+    assert len(warnings) == 1 and "- aggregation:" in warnings[0].getMessage()
+    monkeypatch.setattr(_sdk, "_unmet", None)
 
 
 def test_views_are_found_on_a_provider():
@@ -57,7 +72,6 @@ def test_cell_observation_binds_through_context():
     cell.observe(1.5, (7, 9))
     obs = cell.observation()
     assert obs.attributes == {"a": "b"} and obs.context is not None
-    assert isinstance(InProcessHistogram((1.0,)), sdk_aggregation.Aggregation)
 
 
 def _preemption_points(reader) -> list[tuple[int, tuple, tuple]]:
