@@ -21,9 +21,10 @@ $(READY): pyproject.toml
 	  || echo "warning: could not install prometheus (needs root); its tests will skip"
 	touch $@
 
-# /metrics stays up 20 s after the summary (Ctrl-C ends it); ARGS="--serve-seconds 0" skips that.
+# /metrics stays up SERVE_SECONDS after the summary (Ctrl-C ends it); SERVE_SECONDS=0 skips that.
+SERVE_SECONDS ?= 20
 demo: $(READY)
-	$(VENV)/bin/otel-llm demo --serve-seconds 20 $(ARGS)
+	$(VENV)/bin/otel-llm demo --serve-seconds $(SERVE_SECONDS) $(ARGS)
 
 # tests/vllm and tests/vllm_engine run in venvs of their own: `make test-vllm` (vllm.mk).
 test: $(READY)

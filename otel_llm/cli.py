@@ -41,31 +41,50 @@ class RequestTraces(SpanProcessor):
 
 
 class Progress:
-    """A one-line progress bar on stderr, redrawn at most ten times a second. With ``line_every``
-    and a stream that is not a terminal, a full line every ``line_every`` seconds instead."""
+    """Progress on ``stream`` (stderr). On a terminal (``stream`` and stdout both), a one-line bar
+    redrawn in place at most ten times a second. Otherwise (``otel-llm demo | tee log``, output to
+    a file) whole lines and no carriage return: one every ``line_every`` seconds when given, else
+    one per 10% of ``total`` finished (ten lines in all)."""
+
+    STEPS = 10
 
     def __init__(self, total: int, stream: Any = sys.stderr, line_every: Optional[float] = None) -> None:
         self.total = total
         self.stream = stream
-        self.redraw = line_every is None or stream.isatty()
-        self.interval = 0.1 if self.redraw else float(line_every)  # type: ignore[arg-type]
+        self.redraw = stream.isatty() and sys.stdout.isatty()
+        self.line_every = line_every
+        self.interval = 0.1 if self.redraw else (line_every or 0.0)
         self._last = 0.0
+        self._step = 0  # 10% steps already written (lines without line_every)
 
     def __call__(self, engine: Any, finished: int) -> None:
         self.show(finished, engine.num_running, engine.num_waiting, engine.kv_cache.usage,
                   engine.scheduler.num_preemptions)
 
-    def show(self, finished: int, running: int, waiting: int, kv_usage: float, preemptions: int) -> None:
-        now = time.monotonic()
-        if now - self._last < self.interval and finished < self.total:
-            return
-        self._last = now
+    def _line(self, finished: int, running: int, waiting: int, kv_usage: float, preemptions: int) -> str:
         filled = BAR_WIDTH * finished // max(self.total, 1)
-        line = (
+        return (
             f"[{'#' * filled}{'.' * (BAR_WIDTH - filled)}] {finished}/{self.total} finished"
             f" | running {running:3d} waiting {waiting:3d}"
             f" | KV {kv_usage:4.0%} | preemptions {preemptions}"
         )
+
+    def show(self, finished: int, running: int, waiting: int, kv_usage: float, preemptions: int) -> None:
+        if not self.redraw and self.line_every is None:
+            # One line per 10% step passed; a step that finished several requests may pass two.
+            passed = self._step
+            while self._step < self.STEPS and finished * self.STEPS >= (self._step + 1) * self.total:
+                self._step += 1
+                line = self._line(finished, running, waiting, kv_usage, preemptions)
+                self.stream.write(f"{100 * self._step // self.STEPS:3d}% {line}\n")
+            if self._step > passed:
+                self.stream.flush()
+            return
+        now = time.monotonic()
+        if now - self._last < self.interval and finished < self.total:
+            return
+        self._last = now
+        line = self._line(finished, running, waiting, kv_usage, preemptions)
         self.stream.write(f"\r{line}" if self.redraw else f"{line}\n")
         self.stream.flush()
 

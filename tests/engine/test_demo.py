@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import math
 import queue
 import re
@@ -18,7 +19,7 @@ from typing import Iterator
 
 import pytest
 
-from otel_llm.cli import bar_chart, bucket_labels
+from otel_llm.cli import Progress, bar_chart, bucket_labels
 
 READY_TIMEOUT = 120  # seconds: the run itself takes about one
 
@@ -145,6 +146,47 @@ def test_demo_summary_matches_its_metrics_endpoint(tmp_path: Path) -> None:
     assert low <= worst[0][1] <= high
     assert [count for _, count, _ in worst] == sorted((count for _, count, _ in worst), reverse=True)
     assert len({trace for _, _, trace in worst}) == 5
+
+
+PROGRESS_LINE = re.compile(r"\s*(\d+)% \[[#.]{40}\] (\d+)/(\d+) finished \| ")
+
+
+def test_demo_into_a_pipe_writes_one_progress_line_per_tenth_and_no_carriage_return() -> None:
+    """``make demo | tee log``: stdout and stderr are pipes, not terminals."""
+    run = subprocess.run(demo_command() + ["--requests", "37", "--prometheus-port", "0"],
+                         capture_output=True, text=True, timeout=READY_TIMEOUT)
+    assert run.returncode == 0, run.stderr
+    assert "\r" not in run.stdout and "\r" not in run.stderr
+    progress = [m for line in run.stderr.splitlines() if (m := PROGRESS_LINE.match(line))]
+    assert [int(m.group(1)) for m in progress] == list(range(10, 101, 10)), run.stderr
+    finished = [int(m.group(2)) for m in progress]
+    assert all(n * 10 >= step * 37 for step, n in enumerate(finished, 1))  # each line once its tenth is done
+    assert finished == sorted(finished) and finished[-1] == 37
+    assert {int(m.group(3)) for m in progress} == {37}
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_redraws_only_when_stdout_is_a_terminal_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    stderr = Terminal()
+    monkeypatch.setattr(sys, "stdout", io.StringIO())  # stdout into a pipe, stderr on the terminal
+    progress = Progress(20, stream=stderr)
+    for finished in (0, 1, 2, 7, 20):  # 7 passes the 20% and 30% steps at once
+        progress.show(finished, running=1, waiting=0, kv_usage=0.5, preemptions=0)
+    progress.close()
+    lines = stderr.getvalue().splitlines()
+    assert "\r" not in stderr.getvalue()
+    assert [line.split("%")[0].strip() for line in lines] == [str(p) for p in range(10, 101, 10)]
+
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stdout", Terminal())
+    progress = Progress(20, stream=terminal)
+    progress.show(20, running=0, waiting=0, kv_usage=0.0, preemptions=0)
+    progress.close()
+    assert terminal.getvalue().startswith("\r[") and terminal.getvalue().endswith("\n")
 
 
 def test_bucket_labels_name_the_integers_each_bucket_holds() -> None:

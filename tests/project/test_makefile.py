@@ -1,0 +1,28 @@
+"""`make demo` passes each option once: --serve-seconds from SERVE_SECONDS, the rest from ARGS."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def demo_command(*overrides: str) -> list[str]:
+    """The command `make demo` would run (dry run; READY= leaves out the set-up)."""
+    out = subprocess.run(["make", "-s", "-n", "demo", "READY=", *overrides], cwd=ROOT, capture_output=True,
+                         text=True, check=True).stdout
+    [line] = [line for line in out.splitlines() if "otel-llm demo" in line]
+    return line.split()
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_demo_passes_serve_seconds_once() -> None:
+    default = demo_command()
+    assert default.count("--serve-seconds") == 1 and default[default.index("--serve-seconds") + 1] == "20"
+    custom = demo_command("SERVE_SECONDS=0", "ARGS=--requests 100")
+    assert custom.count("--serve-seconds") == 1 and custom[custom.index("--serve-seconds") + 1] == "0"
+    assert custom[-2:] == ["--requests", "100"]
