@@ -240,7 +240,7 @@ def _float_or_int(text: str) -> int:
     return int(value)
 
 
-# Environment variable -> (config field, parser). Documented in README.md ("Configuration").
+# Environment variable -> (config field, parser). Documented in docs/configuration.md.
 _ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
     "OTEL_LLM_MODEL_NAME": ("model_name", str),
     "OTEL_LLM_ENGINE": ("engine", str),

@@ -1,4 +1,5 @@
-"""The neutral event vocabulary that engines publish (DESIGN.md §4).
+"""The neutral event vocabulary that engines publish (docs/architecture.md, "Contract: the event
+vocabulary").
 
 Pure data: importing this module must never import OpenTelemetry, so that an engine can
 publish events without depending on the telemetry stack.

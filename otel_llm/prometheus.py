@@ -327,8 +327,8 @@ class PrometheusEndpoint:
         *,
         ports: int = 1,
         # The otel_scope_name/version/schema_url labels would double the output (and the time a
-        # scrape holds the GIL, DESIGN.md §8) while carrying nothing: all our instruments come
-        # from one scope. Off.
+        # scrape holds the GIL: docs/architecture.md, "Cost facts") while carrying nothing: all
+        # our instruments come from one scope. Off.
         scope_info_enabled: bool = False,
         # target_info is one series with the resource (service.name, ...), for joins: kept.
         disable_target_info: bool = False,

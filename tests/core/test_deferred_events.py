@@ -79,7 +79,7 @@ def test_setup_telemetry_defers_a_hand_built_telemetry_applies_at_once():
         assert handle.new_telemetry(engine="1")._defer_steps == 16
     finally:
         handle.shutdown()
-    r = rig(TelemetryConfig(model_name="tiny"))  # as DESIGN's API example builds it
+    r = rig(TelemetryConfig(model_name="tiny"))  # as the README's API example builds it
     r.telemetry.on_events(lifecycle("a", 10.0))
     assert len(r.telemetry._pending) == 0
     assert [s.attributes["gen_ai.request.id"] for s in r.span_exporter.get_finished_spans()] == ["a"]

@@ -81,6 +81,6 @@ def test_spans_carry_current_gen_ai_attributes_and_error_type(naming):
         assert not DEPRECATED & set(attrs)
 
 
-def test_readme_names_the_conventions_version():
-    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+def test_metrics_doc_names_the_conventions_version():
+    text = (Path(__file__).resolve().parents[2] / "docs" / "metrics.md").read_text()
     assert SEMCONV_VERSION in text

@@ -1,8 +1,9 @@
 """Fixtures for the vLLM integration tests (run in the vLLM venv: `make test-vllm`).
 
 vLLM 0.33's PyPI wheel is a CUDA build; on a CPU machine its plugin interface and stats
-classes still import and run (DESIGN.md §7). The environment must be set before vLLM is
-imported: vllm.mk sets it, and this file sets the same defaults for a bare `pytest tests/vllm`.
+classes still import and run (docs/architecture.md, "Real components"). The environment must
+be set before vLLM is imported: vllm.mk sets it, and this file sets the same defaults for a
+bare `pytest tests/vllm`.
 """
 
 from __future__ import annotations
