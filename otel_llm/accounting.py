@@ -69,20 +69,22 @@ class ExportAccounting:
 
 
 class _ProcessorDrops:
-    """Stands in for the SDK 1.45 BatchProcessor's metrics hook: ``drop_items`` is called
-    exactly when an item is dropped (queue full, or after shutdown)."""
+    """Stands in for the SDK's BatchProcessor metrics hook, to count the items dropped after
+    shutdown (``drop_items(1, "already_shutdown")``, called exactly then). Its queue-full call is
+    not counted: it comes before the append, which evicts nothing if the export thread popped a
+    batch in between; the queue counts its evictions itself (batch_processor.count_evictions)."""
 
-    def __init__(self, inner: Any, accounting: ExportAccounting, queue_full: str, after_shutdown: str) -> None:
+    def __init__(self, inner: Any, accounting: ExportAccounting, after_shutdown: str) -> None:
         self._inner = inner
         self._accounting = accounting
-        self._queue_full = queue_full
         self._after_shutdown = after_shutdown
 
     def register_queue_size(self, get_queue_size: Any) -> None:
         self._inner.register_queue_size(get_queue_size)
 
     def drop_items(self, count: int, error_type: str = "queue_full") -> None:
-        self._accounting.drop(self._after_shutdown if error_type == "already_shutdown" else self._queue_full, count)
+        if error_type == "already_shutdown":
+            self._accounting.drop(self._after_shutdown, count)
         self._inner.drop_items(count, error_type)
 
     def finish_items(self, count: int) -> None:
@@ -91,8 +93,8 @@ class _ProcessorDrops:
 
 def _count_drops(processor: Any, accounting: ExportAccounting, queue_full: str, after_shutdown: str) -> None:
     if _sdk.holds("batch_processor"):
-        batch_processor.wrap_drop_hook(processor,
-                                       lambda hook: _ProcessorDrops(hook, accounting, queue_full, after_shutdown))
+        batch_processor.wrap_drop_hook(processor, lambda hook: _ProcessorDrops(hook, accounting, after_shutdown))
+        batch_processor.count_evictions(processor, lambda n: accounting.drop(queue_full, n))
 
 
 def counting_processor(exporter: SpanExporter, accounting: ExportAccounting) -> BatchSpanProcessor:

@@ -7,10 +7,13 @@ real collector outage is tests/reliability/test_reliability_outage.py.
 
 from __future__ import annotations
 
+from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from otel_llm import accounting
-from otel_llm.tracker import SPANS_EXPORT_FAILED
+from otel_llm.tracker import SPANS_EXPORT_FAILED, SPANS_QUEUE_FULL
+from tests.support.sdk_versions import needs_sdk
 
 
 class Flaky(SpanExporter):
@@ -59,3 +62,54 @@ def test_backoff_delay_doubles_up_to_its_cap(monkeypatch):
     assert delays == [1.0, 2.0, 4.0, 8.0, 10.0, 10.0]
     backoff.result(True)
     assert not backoff.closed()
+
+
+class _WorkerWinsTheRace:
+    """The SDK's drop hook, behind accounting's: when the processor reports its queue full, the
+    export thread pops a batch before the item is appended (what a busy machine lets happen)."""
+
+    def __init__(self, inner, batch) -> None:
+        self._inner, self._batch = inner, batch
+        self.queue_full_reports = 0
+
+    def register_queue_size(self, get_queue_size) -> None:
+        self._inner.register_queue_size(get_queue_size)
+
+    def finish_items(self, count) -> None:
+        self._inner.finish_items(count)
+
+    def drop_items(self, count, error_type="queue_full") -> None:
+        if error_type == "queue_full":
+            self.queue_full_reports += 1
+            batch = self._batch
+            batch._exporter.export([batch._queue.pop() for _ in range(batch._max_export_batch_size)])
+        self._inner.drop_items(count, error_type)
+
+
+@needs_sdk("1.41", "counting the spans a batch processor drops (its queue and drop hook)")
+def test_spans_dropped_on_a_full_queue_are_counted_once_each_whatever_the_export_thread_does(monkeypatch):
+    """Queue of 8, batches of 4, the export thread held off (its lock taken here). 12 spans:
+    4 evicted. Then a queue found full whose export thread pops a batch before the append:
+    nothing evicted, nothing counted lost. Every span is delivered or counted lost, once."""
+    monkeypatch.setenv("OTEL_BSP_MAX_QUEUE_SIZE", "8")
+    monkeypatch.setenv("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "4")
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "60000")
+    acc = accounting.ExportAccounting()
+    inner = InMemorySpanExporter()
+    processor = accounting.counting_processor(inner, acc)
+    batch = processor._batch_processor
+    tp = TracerProvider()
+    tp.add_span_processor(processor)
+    tracer = tp.get_tracer("test")
+    with batch._export_lock:
+        for _ in range(12):
+            tracer.start_span("s").end()
+        assert acc.dropped == {SPANS_QUEUE_FULL: 4} and len(batch._queue) == 8
+        race = _WorkerWinsTheRace(batch._metrics._inner, batch)
+        batch._metrics._inner = race
+        tracer.start_span("s").end()
+        assert race.queue_full_reports == 1  # the SDK reported it full: the batch went out in between
+        assert acc.dropped == {SPANS_QUEUE_FULL: 4} and len(batch._queue) == 5
+    tp.shutdown()
+    assert acc.exported == {"spans": 9} == {"spans": len(inner.get_finished_spans())}
+    assert acc.dropped == {SPANS_QUEUE_FULL: 4}
