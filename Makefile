@@ -30,6 +30,25 @@ demo: $(READY)
 test: $(READY)
 	$(PY) -m pytest -q --ignore=tests/vllm --ignore=tests/vllm_engine $(ARGS)
 
+# The same suite on the oldest OpenTelemetry SDK that pyproject allows (1.28.2, exporter-prometheus
+# 0.49b2: constraints/sdk-oldest.txt), in a venv of its own; torch pinned first as above.
+SDK_OLDEST_VENV ?= .venv-sdk-oldest
+SDK_OLDEST_PY := $(SDK_OLDEST_VENV)/bin/python
+SDK_OLDEST_PINS := constraints/sdk-oldest.txt
+SDK_OLDEST_READY := $(SDK_OLDEST_VENV)/.ready
+
+.PHONY: test-sdk-oldest
+$(SDK_OLDEST_READY): pyproject.toml $(SDK_OLDEST_PINS)
+	test -x $(SDK_OLDEST_PY) || $(PYTHON) -m venv $(SDK_OLDEST_VENV)
+	$(SDK_OLDEST_PY) -m pip install -q torch==2.13.0
+	$(SDK_OLDEST_PY) -m pip install -q -c $(SDK_OLDEST_PINS) -e '.[engine,dev]'
+	command -v prometheus >/dev/null || { apt-get update -qq && apt-get install -y -qq prometheus; } \
+	  || echo "warning: could not install prometheus (needs root); its tests will skip"
+	touch $@
+
+test-sdk-oldest: $(SDK_OLDEST_READY)
+	$(SDK_OLDEST_PY) -m pytest -q --ignore=tests/vllm --ignore=tests/vllm_engine $(ARGS)
+
 # ruff (lint + format check) and mypy, pinned in the lint extra.
 lint: $(VENV)/.lint-ready
 	$(VENV)/bin/ruff check
