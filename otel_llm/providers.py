@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
@@ -215,4 +217,20 @@ def _resource(config: TelemetryConfig) -> Resource:
     resource = Resource.create(dict(config.resource_attributes))
     if str(resource.attributes.get("service.name", "")).startswith("unknown_service"):
         resource = resource.merge(Resource({"service.name": "otel-llm"}))
+    if "service.instance.id" not in resource.attributes:  # an SDK without the service_instance detector
+        resource = resource.merge(Resource({"service.instance.id": _process_instance_id()}))
     return resource
+
+
+_instance_lock = threading.Lock()
+_instance_id: Optional[tuple[int, str]] = None
+
+
+def _process_instance_id() -> str:
+    """A UUID v4 for this process, a new one in a forked child (as the SDK's service_instance
+    resource detector gives, where the SDK has it)."""
+    global _instance_id
+    with _instance_lock:
+        if _instance_id is None or _instance_id[0] != os.getpid():
+            _instance_id = (os.getpid(), str(uuid.uuid4()))
+        return _instance_id[1]

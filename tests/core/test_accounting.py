@@ -31,7 +31,10 @@ def test_backoff_skips_exports_until_the_probe_and_counts_everything(monkeypatch
     monkeypatch.setattr(accounting.time, "monotonic", lambda: now[0])
     acc = accounting.ExportAccounting()
     inner = Flaky()
-    exporter = accounting.counting_processor(inner, acc)._batch_processor._exporter
+    processor = accounting.counting_processor(inner, acc)
+    # Its exporter: in its BatchProcessor (SDK 1.34+), its own before.
+    exporter = processor._batch_processor._exporter if hasattr(processor, "_batch_processor") \
+        else processor.span_exporter
     batch = [object()] * 5
 
     assert exporter.export(batch) is SpanExportResult.FAILURE and inner.calls == 1  # tried: fails
