@@ -15,7 +15,8 @@ from typing import Any, Optional
 
 import pytest
 from opentelemetry.sdk._logs import LoggerProvider
-from opentelemetry.sdk._logs.export import InMemoryLogRecordExporter, SimpleLogRecordProcessor
+from opentelemetry.sdk._logs import export as log_export
+from opentelemetry.sdk._logs.export import SimpleLogRecordProcessor
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -28,7 +29,13 @@ from otel_llm import EngineTelemetry, TelemetryConfig, setup_telemetry
 from otel_llm.accounting import LOG_RECORDS_EXPORT_FAILED, LOG_RECORDS_QUEUE_FULL
 from otel_llm.spans import PREEMPTED_EVENT
 from otel_llm.tracker import RequestSummary
-from tests.support.otel_helpers import lifecycle
+from otel_llm.testing import lifecycle
+from tests.support.sdk_versions import needs_sdk
+
+# Log-based events: Logger.emit with event_name (opentelemetry-sdk 1.38).
+needs_log_events = needs_sdk("1.38", "log-based events (Logger.emit with event_name)")
+# In-memory log exporter: InMemoryLogExporter before SDK 1.39 renamed it.
+InMemoryLogRecordExporter = getattr(log_export, "InMemoryLogRecordExporter", None) or log_export.InMemoryLogExporter
 
 ATTRIBUTES = {"gen_ai.request.id", "llm.preemption.ordinal", "llm.preemption.num_computed_tokens",
               "llm.preemption.reason"}
@@ -38,7 +45,7 @@ ATTRIBUTES = {"gen_ai.request.id", "llm.preemption.ordinal", "llm.preemption.num
 class LogRig:
     telemetry: EngineTelemetry
     spans: InMemorySpanExporter
-    logs: InMemoryLogRecordExporter
+    logs: Any
 
     def records(self) -> list[Any]:
         self.telemetry.flush()
@@ -72,6 +79,7 @@ def by_request(records: list[Any]) -> dict[str, list[Any]]:
 
 @pytest.mark.parametrize("mode", ["log", "both"])
 @pytest.mark.parametrize("span_path", ["auto", "tracer"], ids=["assembled", "tracer_api"])
+@needs_log_events
 def test_each_preemption_of_engine_stub_is_one_log_record_of_its_request_span(mode, span_path):
     r = log_rig(mode, span_path=span_path)
     truth = engine_run(r.telemetry)
@@ -112,6 +120,7 @@ def test_span_event_default_emits_no_log_record():
     assert all(len([e for e in spans[rid].events if e.name == "preempted"]) == k for rid, k in truth.items())
 
 
+@needs_log_events
 def test_counts_stay_exact_past_the_span_event_limit():
     r = log_rig("both", limits=SpanLimits(max_events=16))
     r.telemetry.on_events(lifecycle("long", 1.0, preemptions=40, tokens=2))
@@ -121,6 +130,7 @@ def test_counts_stay_exact_past_the_span_event_limit():
     assert [x.attributes["llm.preemption.ordinal"] for x in r.records()] == list(range(1, 41))
 
 
+@needs_log_events
 def test_without_spans_log_records_carry_no_trace_ids():
     r = log_rig("log", spans=False)
     r.telemetry.on_events(lifecycle("a", 1.0, preemptions=3))
@@ -129,6 +139,7 @@ def test_without_spans_log_records_carry_no_trace_ids():
     assert all(x.trace_id == 0 and x.span_id == 0 for x in records)
 
 
+@needs_log_events
 def test_record_finished_emits_the_known_preemptions_as_log_records():
     """The path of the vLLM adapter (its deep hook hands over the preemption times)."""
     r = log_rig("log")
@@ -158,6 +169,7 @@ def test_invalid_preemption_events_fail_at_config_time_naming_the_setting(clean_
             setup_telemetry(environ=env)
 
 
+@needs_log_events
 def test_setup_builds_a_logger_provider_only_for_log_events(clean_env):
     env = {"OTEL_METRICS_EXPORTER": "none", "OTEL_TRACES_EXPORTER": "none", "OTEL_LOGS_EXPORTER": "none"}
     handle = setup_telemetry(environ=env)
@@ -174,6 +186,8 @@ def test_setup_builds_a_logger_provider_only_for_log_events(clean_env):
         handle.shutdown()
 
 
+@needs_log_events
+@needs_sdk("1.41", "counting the records a batch processor drops (its drop hook)")
 def test_log_records_lost_on_the_way_out_are_bounded_and_counted(clean_env):
     """A collector that is not there and a queue of 8: every record emitted is delivered or
     counted lost, by reason, and the queue never holds more than its size."""
@@ -217,6 +231,7 @@ def _log_records(sink: Any) -> list[Any]:
 
 
 @pytest.mark.backend
+@needs_log_events
 @pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
 def test_log_events_over_otlp_through_rotel(clean_env, protocol):
     hop = "grpc" if protocol == "grpc" else "http"
