@@ -11,6 +11,8 @@ rule. The values of ``*_HEADERS`` are never shown.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import os
 import re
@@ -35,7 +37,7 @@ _RESOURCE_ATTRIBUTE = re.compile(r"[^=,]*\S[^=,]*=.*")
 def check(env: Mapping[str, str], protocols: Mapping[str, str]) -> None:
     """``protocols``: the OTLP protocol of each signal exported over OTLP ("traces", "metrics", "logs")."""
     for signal in _SIGNALS:
-        _number(env, f"{_OTLP}{signal}TIMEOUT", "a number of seconds > 0")
+        _timeout(env, f"{_OTLP}{signal}TIMEOUT")
         _headers(env, f"{_OTLP}{signal}HEADERS")
         for name in ("CERTIFICATE", "CLIENT_KEY", "CLIENT_CERTIFICATE"):
             _file(env, f"{_OTLP}{signal}{name}")
@@ -55,6 +57,19 @@ def check(env: Mapping[str, str], protocols: Mapping[str, str]) -> None:
     _resource_attributes(env)
 
 
+@functools.lru_cache(maxsize=None)
+def integer_timeouts() -> bool:
+    """Whether the installed OTLP exporters read OTEL_EXPORTER_OTLP_*TIMEOUT with int() (SDK 1.28
+    does: "2.5" raises in their constructors) rather than float()."""
+    try:
+        from opentelemetry.exporter.otlp.proto.grpc import exporter
+
+        source = inspect.getsource(exporter.OTLPExporterMixin.__init__)
+    except Exception:  # noqa: BLE001 - no gRPC exporter, or no source: the newer rule
+        return False
+    return re.search(r"int\(\s*environ\.get\(\s*OTEL_EXPORTER_OTLP_TIMEOUT", source) is not None
+
+
 def _set(env: Mapping[str, str], var: str) -> Optional[str]:
     raw = env.get(var)
     return raw if raw is not None and raw.strip() != "" else None
@@ -70,6 +85,16 @@ def _number(env: Mapping[str, str], var: str, rule: str) -> None:
         value = math.nan
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"{var}={raw!r}: must be {rule}")
+
+
+def _timeout(env: Mapping[str, str], var: str) -> None:
+    if not integer_timeouts():
+        _number(env, var, "a number of seconds > 0")
+        return
+    raw = _set(env, var)
+    if raw is not None and not (raw.strip().isdigit() and int(raw) > 0):
+        raise ValueError(f"{var}={raw!r}: must be a whole number of seconds > 0 (the installed OTLP exporters "
+                         f"read an integer)")
 
 
 def _integer(env: Mapping[str, str], var: str, minimum: int) -> Optional[int]:

@@ -18,7 +18,7 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 import otel_llm
-from otel_llm import EngineTelemetry, EventType, RequestEvent, TelemetryConfig, setup_telemetry
+from otel_llm import EngineTelemetry, EventType, RequestEvent, TelemetryConfig, sdk_env, setup_telemetry
 from otel_llm.config import ENV_VARIABLES
 
 from tests.support.otel_helpers import BOTH_PATHS
@@ -216,7 +216,9 @@ def test_malformed_headers_fail_in_setup_without_showing_the_secret(var, caplog)
 
 def test_valid_sdk_variables_are_accepted(clean_env):
     """No false alarms: values the SDK takes are taken (set in os.environ, which the SDK reads)."""
-    good = {"OTEL_EXPORTER_OTLP_TIMEOUT": "2.5", "OTEL_EXPORTER_OTLP_COMPRESSION": "GZIP",
+    # Fractional seconds where the OTLP exporters take them (SDK 1.28's read an integer).
+    good = {"OTEL_EXPORTER_OTLP_TIMEOUT": "2" if sdk_env.integer_timeouts() else "2.5",
+            "OTEL_EXPORTER_OTLP_COMPRESSION": "GZIP",
             "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL": "http/protobuf", "OTEL_EXPORTER_OTLP_METRICS_COMPRESSION": "none",
             "OTEL_EXPORTER_OTLP_HEADERS": "authorization=Bearer abc%20def , x-tenant=acme,",
             "OTEL_METRIC_EXPORT_TIMEOUT": "5000", "OTEL_BSP_MAX_QUEUE_SIZE": "64",
@@ -227,6 +229,10 @@ def test_valid_sdk_variables_are_accepted(clean_env):
         clean_env.setenv(var, value)
     handle = setup_telemetry(TelemetryConfig(model_name="m"))
     handle.shutdown()
+    if sdk_env.integer_timeouts():  # then "2.5" fails in setup, naming the variable, not in the exporter
+        clean_env.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "2.5")
+        with pytest.raises(ValueError, match=r"^OTEL_EXPORTER_OTLP_TIMEOUT='2.5': must be a whole number of seconds"):
+            setup_telemetry(TelemetryConfig(model_name="m"))
 
 
 def _free_port() -> int:
