@@ -9,7 +9,8 @@ import pytest
 import otel_llm
 from otel_llm import StepStats, TelemetryConfig
 from otel_llm.metrics import METRICS
-from tests.support.otel_helpers import BOTH_PATHS, E, FAST, SDK, RequestEvent, lifecycle, rig
+from otel_llm.testing import in_memory_telemetry, lifecycle
+from tests.support.otel_helpers import BOTH_PATHS, E, FAST, SDK, RequestEvent
 
 COUNTS = (0, 0, 1, 2, 2, 3, 7, 25)
 
@@ -21,7 +22,7 @@ def run(r, counts=COUNTS, t0=100.0):
 
 @BOTH_PATHS
 def test_preemption_histogram_exact(paths):
-    r = rig(**paths)
+    r = in_memory_telemetry(**paths)
     run(r)
     p = r.point("vllm:request_num_preemptions", model_name="tiny", engine="0")
     assert p.explicit_bounds == (0.5, 1, 2, 3, 4, 5, 10, 20)
@@ -31,7 +32,7 @@ def test_preemption_histogram_exact(paths):
 
 
 def test_counters_equal_event_totals():
-    r = rig()
+    r = in_memory_telemetry()
     run(r)
     assert r.point("vllm:num_preemptions").value == 40
     assert r.point("vllm:num_preemptions_by_reason", reason="kv_cache_full").value == 40
@@ -43,7 +44,7 @@ def test_counters_equal_event_totals():
 
 
 def test_derived_latencies_exact():
-    r = rig()
+    r = in_memory_telemetry()
     t0 = 50.0
     r.telemetry.on_events([
         RequestEvent(E.ARRIVED, "a", t0, prompt_tokens=7, max_tokens=9),
@@ -78,14 +79,14 @@ def test_derived_latencies_exact():
 
 
 def test_never_preempted_requests_skip_preempted_time():
-    r = rig()
+    r = in_memory_telemetry()
     run(r, counts=(0, 0, 3))
     assert r.point("vllm:request_preempted_time_seconds").count == 1
     assert r.point("vllm:request_num_preemptions").bucket_counts[0] == 2
 
 
 def test_gauges_and_iteration_tokens_from_step_stats():
-    r = rig()
+    r = in_memory_telemetry()
     r.telemetry.on_step(StepStats(1.0, num_running=3, num_waiting=5, kv_cache_usage=0.75, num_batched_tokens=100))
     r.telemetry.on_step(StepStats(2.0, num_running=2, num_waiting=1, kv_cache_usage=0.5, num_batched_tokens=8))
     assert r.point("vllm:num_requests_running").value == 2
@@ -97,7 +98,7 @@ def test_gauges_and_iteration_tokens_from_step_stats():
 
 
 def test_configured_buckets_are_used():
-    r = rig(TelemetryConfig(model_name="m", preemption_buckets=(1, 2, 3, 4, 5, 10, 20)))
+    r = in_memory_telemetry(TelemetryConfig(model_name="m", preemption_buckets=(1, 2, 3, 4, 5, 10, 20)))
     run(r)
     p = r.point("vllm:request_num_preemptions")
     assert p.explicit_bounds == (1, 2, 3, 4, 5, 10, 20)
@@ -107,7 +108,7 @@ def test_configured_buckets_are_used():
 @BOTH_PATHS
 def test_histogram_buckets_replace_a_histograms_defaults(paths):
     config = TelemetryConfig(model_name="m", histogram_buckets={"e2e_request_latency_seconds": (0.05, 0.1)})
-    r = rig(config, **paths)
+    r = in_memory_telemetry(config, **paths)
     run(r)  # lifecycle(): a request lasts 0.09 s + 5 ms per preemption: 0.09 ... 0.1 for k <= 2
     p = r.point("vllm:e2e_request_latency_seconds")
     assert p.explicit_bounds == (0.05, 0.1)
@@ -124,7 +125,7 @@ def test_histogram_buckets_are_validated():
 
 
 def test_show_zero_series_exports_the_named_series_at_zero_before_any_request():
-    r = rig()
+    r = in_memory_telemetry()
     r.telemetry.metrics.show_zero_series(["stop", "length", "abort"], ["request_num_preemptions"])
     p = r.point("vllm:request_num_preemptions")
     assert (p.count, p.sum, set(p.bucket_counts)) == (0, 0, {0})
@@ -146,7 +147,7 @@ def test_bad_boundaries_rejected_at_config(bounds, rule):
 
 
 def test_semconv_profile_names():
-    r = rig(TelemetryConfig(model_name="tiny", naming="semconv"))
+    r = in_memory_telemetry(TelemetryConfig(model_name="tiny", naming="semconv"))
     run(r)
     r.telemetry.on_step(StepStats(1.0, 1, 1, 0.5, 10))
     names = set(r.metrics())
@@ -163,7 +164,7 @@ def test_semconv_profile_names():
 
 
 def test_every_declared_metric_is_produced():
-    r = rig()
+    r = in_memory_telemetry()
     run(r)
     r.telemetry.on_events([RequestEvent(E.TOKENS, "nobody", 1.0, num_tokens=1)])  # one dropped event
     r.telemetry.on_step(StepStats(1.0, 1, 1, 0.5, 10))
@@ -174,7 +175,7 @@ def test_every_declared_metric_is_produced():
 def test_provider_without_views_warns_once_and_still_counts(caplog):
     config = TelemetryConfig(model_name="tiny")
     with caplog.at_level(logging.WARNING, logger="otel_llm"):
-        r = rig(config, with_views=False)
+        r = in_memory_telemetry(config, with_views=False)
         second = otel_llm.EngineTelemetry(config, meter_provider=r.meter_provider)
     assert [rec.message for rec in caplog.records].count(caplog.records[0].message) == 1
     assert "views" in caplog.records[0].message
@@ -194,7 +195,7 @@ def test_record_iteration_latencies_equal_on_both_paths(delta):
     """record_iteration observes a step's TTFTs and ITLs in one call per histogram on the fast path."""
     points = []
     for paths in (FAST, SDK):
-        r = rig(**paths, delta=delta)
+        r = in_memory_telemetry(**paths, delta=delta)
         r.telemetry.record_iteration(ttfts=[0.02, 0.3], itls=[0.01, 0.01, 0.2, 3.0])
         first = r.metrics()  # one collection per phase: a delta reader sees each observation once
         r.telemetry.record_iteration(itls=[0.05])

@@ -5,17 +5,18 @@ from __future__ import annotations
 from opentelemetry.trace import SpanKind, StatusCode
 
 from otel_llm import TelemetryConfig
-from tests.support.otel_helpers import E, RequestEvent, lifecycle, rig
+from otel_llm.testing import in_memory_telemetry, lifecycle
+from tests.support.otel_helpers import E, RequestEvent
 
 COUNTS = (0, 0, 1, 2, 2, 3, 7, 25)
 
 
 def spans_by_id(r):
-    return {s.attributes["gen_ai.request.id"]: s for s in r.spans.get_finished_spans()}
+    return r.spans_by_request()
 
 
 def test_one_span_per_request_with_exact_preempted_events():
-    r = rig()
+    r = in_memory_telemetry()
     for i, k in enumerate(COUNTS):
         r.telemetry.on_events(lifecycle(f"r{i}", 10.0 + i, preemptions=k))
     spans = spans_by_id(r)
@@ -36,7 +37,7 @@ def test_one_span_per_request_with_exact_preempted_events():
 
 
 def test_span_times_are_the_engine_times_on_the_wall_clock():
-    r = rig()
+    r = in_memory_telemetry()
     r.telemetry.on_events(lifecycle("a", 1000.0, preemptions=1))
     span = spans_by_id(r)["a"]
     assert abs((span.end_time - span.start_time) - 0.095e9) < 1e3  # finish - arrival, in ns
@@ -45,7 +46,7 @@ def test_span_times_are_the_engine_times_on_the_wall_clock():
 
 
 def test_exact_count_survives_the_event_limit():
-    r = rig()
+    r = in_memory_telemetry()
     r.telemetry.on_events(lifecycle("thrash", 0.0, preemptions=200))
     span = spans_by_id(r)["thrash"]
     assert span.attributes["llm.request.num_preemptions"] == 200
@@ -54,7 +55,7 @@ def test_exact_count_survives_the_event_limit():
 
 
 def test_exemplars_carry_the_request_trace_ids():
-    r = rig()
+    r = in_memory_telemetry()
     for i, k in enumerate(COUNTS):
         r.telemetry.on_events(lifecycle(f"r{i}", 10.0 + i, preemptions=k))
     spans = spans_by_id(r)
@@ -74,7 +75,7 @@ def test_exemplars_carry_the_request_trace_ids():
 
 
 def test_parent_from_w3c_trace_context():
-    r = rig()
+    r = in_memory_telemetry()
     parent_trace = "4bf92f3577b34da6a3ce929d0e0e4736"
     carrier = {"traceparent": f"00-{parent_trace}-00f067aa0ba902b7-01"}
     events = lifecycle("p", 5.0)
@@ -86,14 +87,14 @@ def test_parent_from_w3c_trace_context():
 
 
 def test_error_finish_sets_error_status():
-    r = rig()
+    r = in_memory_telemetry()
     r.telemetry.on_events(lifecycle("x", 1.0, finish_reason="error"))
     assert spans_by_id(r)["x"].status.status_code is StatusCode.ERROR
 
 
 def test_no_text_unless_asked_then_truncated():
     def run(config):
-        r = rig(config)
+        r = in_memory_telemetry(config)
         r.telemetry.on_events([
             RequestEvent(E.ARRIVED, "t", 1.0, prompt_tokens=3, prompt_text="secret prompt " * 20),
             RequestEvent(E.SCHEDULED, "t", 1.1),
@@ -109,18 +110,18 @@ def test_no_text_unless_asked_then_truncated():
 
 
 def test_spans_off_still_counts_and_records_no_exemplar():
-    r = rig(TelemetryConfig(model_name="m", spans=False))
+    r = in_memory_telemetry(TelemetryConfig(model_name="m", spans=False))
     r.telemetry.on_events(lifecycle("a", 1.0, preemptions=2))
-    assert r.spans.get_finished_spans() == ()
+    assert r.finished_spans() == ()
     p = r.point("vllm:request_num_preemptions")
     assert p.count == 1 and p.exemplars == []
 
 
 def test_shutdown_ends_open_spans_once():
-    r = rig()
+    r = in_memory_telemetry()
     r.telemetry.on_events(lifecycle("done", 1.0)[:3])  # arrived, queued, scheduled: in flight
     r.telemetry.shutdown()
     r.telemetry.shutdown()
-    (span,) = r.spans.get_finished_spans()
+    (span,) = r.finished_spans()
     assert span.attributes["llm.request.incomplete"] == "shutdown"
     assert span.status.status_code is StatusCode.ERROR

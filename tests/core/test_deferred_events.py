@@ -5,14 +5,15 @@ from __future__ import annotations
 
 from otel_llm import StepStats, TelemetryConfig, setup_telemetry
 from otel_llm.config import DEFAULT_DEFER_STEPS
-from tests.support.otel_helpers import E, RequestEvent, lifecycle, rig
+from otel_llm.testing import in_memory_telemetry, lifecycle
+from tests.support.otel_helpers import E, RequestEvent
 
 BUSY = StepStats(1.0, num_running=3, num_waiting=1)
 IDLE = StepStats(2.0, num_running=0, num_waiting=0)
 
 
 def test_batches_wait_for_the_nth_step_then_apply_in_order():
-    r = rig(TelemetryConfig(model_name="tiny", defer_steps=4))
+    r = in_memory_telemetry(TelemetryConfig(model_name="tiny", defer_steps=4))
     events = lifecycle("a", 10.0, preemptions=1, tokens=3)  # 10 events, one per batch below
     for i, event in enumerate(events[:3]):
         r.telemetry.on_events([event])
@@ -30,7 +31,7 @@ def test_batches_wait_for_the_nth_step_then_apply_in_order():
 
 
 def test_a_collection_applies_pending_batches_first():
-    r = rig(TelemetryConfig(model_name="tiny", defer_steps=1000))
+    r = in_memory_telemetry(TelemetryConfig(model_name="tiny", defer_steps=1000))
     r.telemetry.on_events(lifecycle("a", 10.0, preemptions=2))
     r.telemetry.on_events(lifecycle("b", 11.0))
     assert len(r.telemetry._pending) == 2
@@ -41,7 +42,7 @@ def test_a_collection_applies_pending_batches_first():
 
 
 def test_an_idle_engine_step_applies_pending_batches():
-    r = rig(TelemetryConfig(model_name="tiny", defer_steps=1000))
+    r = in_memory_telemetry(TelemetryConfig(model_name="tiny", defer_steps=1000))
     r.telemetry.on_events(lifecycle("a", 10.0))
     r.telemetry.on_step(BUSY)
     assert len(r.telemetry._pending) == 1
@@ -51,7 +52,7 @@ def test_an_idle_engine_step_applies_pending_batches():
 
 
 def test_shutdown_applies_pending_batches_before_ending_open_spans():
-    r = rig(TelemetryConfig(model_name="tiny", defer_steps=1000))
+    r = in_memory_telemetry(TelemetryConfig(model_name="tiny", defer_steps=1000))
     r.telemetry.on_events(lifecycle("done", 10.0))
     r.telemetry.on_events([RequestEvent(E.ARRIVED, "open", 11.0, prompt_tokens=3)])
     r.telemetry.shutdown()
@@ -62,7 +63,7 @@ def test_shutdown_applies_pending_batches_before_ending_open_spans():
 
 
 def test_the_engine_may_reuse_its_event_list():
-    r = rig(TelemetryConfig(model_name="tiny", defer_steps=2))
+    r = in_memory_telemetry(TelemetryConfig(model_name="tiny", defer_steps=2))
     events = lifecycle("a", 10.0)
     batch = list(events)
     r.telemetry.on_events(batch)
@@ -79,7 +80,7 @@ def test_setup_telemetry_defers_a_hand_built_telemetry_applies_at_once():
         assert handle.new_telemetry(engine="1")._defer_steps == 16
     finally:
         handle.shutdown()
-    r = rig(TelemetryConfig(model_name="tiny"))  # as the README's API example builds it
+    r = in_memory_telemetry(TelemetryConfig(model_name="tiny"))  # as the README's API example builds it
     r.telemetry.on_events(lifecycle("a", 10.0))
     assert len(r.telemetry._pending) == 0
     assert [s.attributes["gen_ai.request.id"] for s in r.span_exporter.get_finished_spans()] == ["a"]

@@ -26,7 +26,8 @@ from tests.support.backends import rotel_to_sink, wait_until
 from otel_llm import TelemetryConfig, setup_telemetry
 from otel_llm.aggregation import ExponentialHistogramCell, _ExponentialCellAggregation
 from otel_llm.metrics import BY_KEY, METRICS
-from tests.support.otel_helpers import FAST, SDK, assert_same_snapshots, rig, workload
+from otel_llm.testing import in_memory_telemetry
+from tests.support.otel_helpers import FAST, SDK, assert_same_snapshots, workload
 
 EXPONENTIAL = "base2_exponential_bucket_histogram"
 CUMULATIVE, DELTA = AggregationTemporality.CUMULATIVE, AggregationTemporality.DELTA
@@ -101,7 +102,7 @@ def comparable(r: Any, request_of_trace: dict[int, str]) -> dict:
 
 
 def run(paths: dict[str, str], naming: str, delta: bool) -> list[dict]:
-    r = rig(TelemetryConfig(model_name="tiny", naming=naming, histogram_aggregation=EXPONENTIAL),
+    r = in_memory_telemetry(TelemetryConfig(model_name="tiny", naming=naming, histogram_aggregation=EXPONENTIAL),
             **paths, delta=delta)
     r.delta = delta
     batches, steps = workload()
@@ -110,7 +111,7 @@ def run(paths: dict[str, str], naming: str, delta: bool) -> list[dict]:
         r.telemetry.on_events(batch)
         r.telemetry.on_step(steps[i % len(steps)])
         if i % 20 == 19:
-            traces = {s.context.trace_id: s.attributes["gen_ai.request.id"] for s in r.spans.get_finished_spans()}
+            traces = {s.context.trace_id: s.attributes["gen_ai.request.id"] for s in r.finished_spans()}
             snapshots.append(comparable(r, traces))
     return snapshots
 
@@ -188,7 +189,7 @@ def test_reader_views_give_one_reader_exponential_and_another_explicit():
 
     from otel_llm import EngineTelemetry
     from otel_llm.metric_views import use_reader_views
-    from tests.support.otel_helpers import collect, lifecycle
+    from otel_llm.testing import collect_metrics, lifecycle
 
     config = TelemetryConfig(model_name="tiny", histogram_aggregation=EXPONENTIAL)
     explicit, exponential = InMemoryMetricReader(), InMemoryMetricReader()
@@ -197,7 +198,7 @@ def test_reader_views_give_one_reader_exponential_and_another_explicit():
     telemetry = EngineTelemetry(config, meter_provider=mp)
     for i in range(5):
         telemetry.on_events(lifecycle(f"r{i}", 1.0 + i, preemptions=i))
-    a, b = collect(explicit), collect(exponential)
+    a, b = collect_metrics(explicit), collect_metrics(exponential)
     for name in ("vllm:e2e_request_latency_seconds", "vllm:inter_token_latency_seconds"):
         (pa,), (pb,) = a[name], b[name]
         assert hasattr(pa, "explicit_bounds") and hasattr(pb, "scale") and pa.count == pb.count > 0
@@ -222,7 +223,7 @@ def test_record_iteration_latencies_go_into_the_exponential_buckets_on_both_path
     """Engines that hand over a step's latencies at once (record_iteration: vLLM's stat logger)."""
     points = []
     for paths in (FAST, SDK):
-        r = rig(TelemetryConfig(model_name="tiny", histogram_aggregation=EXPONENTIAL), **paths,
+        r = in_memory_telemetry(TelemetryConfig(model_name="tiny", histogram_aggregation=EXPONENTIAL), **paths,
                 delta=delta)
         r.telemetry.record_iteration(ttfts=[0.02, 0.3], itls=[0.01, 0.01, 0.2, 3.0])
         (itl,) = r.metrics()["vllm:inter_token_latency_seconds"]

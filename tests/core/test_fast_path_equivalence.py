@@ -12,7 +12,8 @@ import pytest
 
 from otel_llm import TelemetryConfig
 
-from tests.support.otel_helpers import FAST, SDK, assert_same_snapshots, rig, workload
+from otel_llm.testing import in_memory_telemetry
+from tests.support.otel_helpers import FAST, SDK, assert_same_snapshots, workload
 
 
 def comparable(r, span_ids, delta):
@@ -33,14 +34,14 @@ def comparable(r, span_ids, delta):
 
 
 def run(paths: dict[str, str], naming: str, delta: bool):
-    r = rig(TelemetryConfig(model_name="tiny", naming=naming), **paths, delta=delta)
+    r = in_memory_telemetry(TelemetryConfig(model_name="tiny", naming=naming), **paths, delta=delta)
     batches, steps = workload()
     snapshots = []
     for i, batch in enumerate(batches):
         r.telemetry.on_events(batch)
         r.telemetry.on_step(steps[i % len(steps)])
         if i % 20 == 19:  # several collections: delta intervals and exemplar resets are exercised
-            span_ids = {s.context.trace_id: s.attributes["gen_ai.request.id"] for s in r.spans.get_finished_spans()}
+            span_ids = {s.context.trace_id: s.attributes["gen_ai.request.id"] for s in r.finished_spans()}
             snapshots.append(comparable(r, span_ids, delta))
     return snapshots
 

@@ -88,7 +88,7 @@ def test_request_num_preemptions_reaches_every_reader_with_its_explicit_positive
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
     from otel_llm import EngineTelemetry
-    from tests.support.otel_helpers import lifecycle
+    from otel_llm.testing import lifecycle
 
     config = TelemetryConfig(model_name="tiny", defer_steps=1)
     first, second = InMemoryMetricReader(), InMemoryMetricReader()

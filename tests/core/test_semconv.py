@@ -13,7 +13,8 @@ import pytest
 
 from otel_llm import TelemetryConfig
 from otel_llm.metrics import BY_KEY, ERROR_TYPE, SEMCONV_VERSION
-from tests.support.otel_helpers import BOTH_PATHS, FAST, lifecycle, rig
+from otel_llm.testing import in_memory_telemetry, lifecycle
+from tests.support.otel_helpers import BOTH_PATHS, FAST
 
 DURATION = BY_KEY["e2e_request_latency_seconds"].semconv
 # Names the conventions replaced (gen_ai.system -> gen_ai.provider.name, prompt/completion token
@@ -23,7 +24,7 @@ DEPRECATED = {"gen_ai.system", "gen_ai.usage.prompt_tokens", "gen_ai.usage.compl
 
 
 def _run(config: TelemetryConfig, paths: dict[str, str]):
-    r = rig(config, **paths)
+    r = in_memory_telemetry(config, **paths)
     reasons = ["stop", "error", "length", "error", "error", "abort"]
     for i, reason in enumerate(reasons):
         r.telemetry.on_events(lifecycle(f"r{i}", 1.0 + i, preemptions=i % 3, finish_reason=reason))
@@ -60,7 +61,7 @@ def test_provider_name_is_settable_and_validated(clean_env):
     assert config.provider_name == "vllm"
     r, _ = _run(config, FAST)
     assert {p.attributes["gen_ai.provider.name"] for p in r.metrics()[DURATION]} == {"vllm"}
-    assert {s.attributes["gen_ai.provider.name"] for s in r.spans.get_finished_spans()} == {"vllm"}
+    assert {s.attributes["gen_ai.provider.name"] for s in r.finished_spans()} == {"vllm"}
     with pytest.raises(ValueError, match=r"^provider_name: '' must be a non-empty string"):
         TelemetryConfig(provider_name="")
 
@@ -68,7 +69,7 @@ def test_provider_name_is_settable_and_validated(clean_env):
 @pytest.mark.parametrize("naming", ["vllm", "semconv"])
 def test_spans_carry_current_gen_ai_attributes_and_error_type(naming):
     r, reasons = _run(TelemetryConfig(model_name="tiny", naming=naming), FAST)
-    spans = {s.attributes["gen_ai.request.id"]: s for s in r.spans.get_finished_spans()}
+    spans = r.spans_by_request()
     assert len(spans) == len(reasons)
     for i, reason in enumerate(reasons):
         attrs = spans[f"r{i}"].attributes

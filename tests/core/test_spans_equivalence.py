@@ -21,7 +21,8 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, ParentBased,
 
 from otel_llm import EngineTelemetry, TelemetryConfig
 from otel_llm.spans import AssembledSpans, RequestSpans
-from tests.support.otel_helpers import E, RequestEvent, lifecycle
+from otel_llm.testing import lifecycle
+from tests.support.otel_helpers import E, RequestEvent
 
 PARENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 

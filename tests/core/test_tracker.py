@@ -7,7 +7,8 @@ import logging
 import pytest
 
 from otel_llm import StepStats, TelemetryConfig
-from tests.support.otel_helpers import E, RequestEvent, lifecycle, rig
+from otel_llm.testing import in_memory_telemetry, lifecycle
+from tests.support.otel_helpers import E, RequestEvent
 
 NAN = float("nan")
 
@@ -42,7 +43,7 @@ def histograms(r):
 
 @pytest.mark.parametrize("reason", sorted(BAD))
 def test_each_bad_event_is_dropped_counted_and_leaves_valid_requests_exact(reason):
-    clean, r = rig(), rig()
+    clean, r = in_memory_telemetry(), in_memory_telemetry()
     for target in (clean, r):
         target.telemetry.on_events(lifecycle("done", 0.0))
     clean.telemetry.on_events([e for rid, k in VALID for e in lifecycle(rid, 1.0, preemptions=k)])
@@ -56,7 +57,7 @@ def test_each_bad_event_is_dropped_counted_and_leaves_valid_requests_exact(reaso
 
 
 def test_equal_timestamps_are_fine():
-    r = rig()
+    r = in_memory_telemetry()
     t = 5.0
     r.telemetry.on_events([RequestEvent(E.ARRIVED, "a", t), RequestEvent(E.QUEUED, "a", t),
                            RequestEvent(E.SCHEDULED, "a", t), RequestEvent(E.TOKENS, "a", t, num_tokens=1),
@@ -66,25 +67,25 @@ def test_equal_timestamps_are_fine():
 
 
 def test_inflight_cap_evicts_oldest_and_counts():
-    r = rig(TelemetryConfig(model_name="m", max_inflight_requests=3))
+    r = in_memory_telemetry(TelemetryConfig(model_name="m", max_inflight_requests=3))
     r.telemetry.on_events([RequestEvent(E.ARRIVED, f"r{i}", float(i)) for i in range(5)])
     assert dropped(r) == {"evicted": 2}
     assert list(r.telemetry.tracker.inflight) == ["r2", "r3", "r4"]
-    evicted = {s.attributes["gen_ai.request.id"] for s in r.spans.get_finished_spans()}
+    evicted = {s.attributes["gen_ai.request.id"] for s in r.finished_spans()}
     assert evicted == {"r0", "r1"}
     r.telemetry.on_events([RequestEvent(E.TOKENS, "r0", 9.0, num_tokens=1)])
     assert dropped(r)["after_finish"] == 1
 
 
 def test_finished_ids_memory_is_bounded():
-    r = rig(TelemetryConfig(model_name="m", max_inflight_requests=10))
+    r = in_memory_telemetry(TelemetryConfig(model_name="m", max_inflight_requests=10))
     for i in range(100):
         r.telemetry.on_events(lifecycle(f"r{i}", float(i)))
     assert len(r.telemetry.tracker.finished) == 10 and not r.telemetry.tracker.inflight
 
 
 def test_bad_step_stats_dropped():
-    r = rig()
+    r = in_memory_telemetry()
     r.telemetry.on_step(StepStats(1.0, num_running=-1))
     r.telemetry.on_step(StepStats(1.0, kv_cache_usage=NAN))
     r.telemetry.on_step(None)  # type: ignore[arg-type]
@@ -92,7 +93,7 @@ def test_bad_step_stats_dropped():
 
 
 def test_drops_logged_once_per_reason_per_interval(caplog):
-    r = rig()
+    r = in_memory_telemetry()
     with caplog.at_level(logging.WARNING, logger="otel_llm"):
         for _ in range(50):
             r.telemetry.on_events([RequestEvent(E.TOKENS, "ghost", 1.0, num_tokens=1)])
@@ -101,7 +102,7 @@ def test_drops_logged_once_per_reason_per_interval(caplog):
 
 
 def test_internal_error_never_reaches_the_caller(monkeypatch):
-    r = rig()
+    r = in_memory_telemetry()
     monkeypatch.setattr(r.telemetry.metrics, "preempted", lambda *a: 1 / 0)  # a fault we cannot cause otherwise
     r.telemetry.on_events(lifecycle("a", 1.0, preemptions=1))
     assert dropped(r) == {"internal_error": 1}

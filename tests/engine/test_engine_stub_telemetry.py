@@ -3,59 +3,36 @@
 from __future__ import annotations
 
 import bisect
+import math
 import urllib.request
 from importlib.metadata import entry_points
 from typing import Any, Iterator
 
 import pytest
-from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-import otel_llm
 from engine_stub import Engine, EngineConfig, RequestOutput
 from engine_stub.workload import WorkloadSpec, generate, run_workload
 from otel_llm import EngineTelemetry, TelemetryConfig
+from otel_llm.testing import in_memory_telemetry
 
 BUCKETS = (0.5, 1, 2, 3, 4, 5, 10, 20)
 
 
 class Instrumented:
-    """An engine with EngineTelemetry on in-memory metric and span readers."""
+    """An engine with EngineTelemetry on in-memory providers (otel_llm.testing)."""
 
     def __init__(self, **engine_kwargs: Any) -> None:
         config = TelemetryConfig(model_name="tiny", naming="vllm", preemption_buckets=BUCKETS)
-        self.reader = InMemoryMetricReader()
-        self.spans = InMemorySpanExporter()
-        self.meter_provider = MeterProvider(metric_readers=[self.reader], views=otel_llm.views(config))
-        self.tracer_provider = TracerProvider()
-        self.tracer_provider.add_span_processor(SimpleSpanProcessor(self.spans))
-        self.telemetry = EngineTelemetry(
-            config, meter_provider=self.meter_provider, tracer_provider=self.tracer_provider
-        )
+        self.otel = in_memory_telemetry(config)
         self.engine = Engine(EngineConfig(load_plugins=False, **engine_kwargs))
-        self.engine.hooks.subscribe(self.telemetry)
+        self.engine.hooks.subscribe(self.otel.telemetry)
 
     def run(self, num_requests: int, seed: int = 0) -> list[RequestOutput]:
         requests = generate(WorkloadSpec(num_requests=num_requests, seed=seed), 640)
         return run_workload(self.engine, requests).outputs
 
-    def points(self, name: str) -> list[Any]:
-        data = self.reader.get_metrics_data()
-        return [
-            point
-            for rm in data.resource_metrics
-            for sm in rm.scope_metrics
-            for metric in sm.metrics
-            if metric.name == name
-            for point in metric.data.data_points
-        ]
-
     def close(self) -> None:
-        self.meter_provider.shutdown()
-        self.tracer_provider.shutdown()
+        self.otel.shutdown()
 
 
 @pytest.fixture
@@ -84,34 +61,33 @@ def test_preemption_histogram_equals_engine_ground_truth(tight: Instrumented) ->
     outputs = tight.run(120)
     counts = [o.num_preemptions for o in outputs]
     assert max(counts) >= 3  # the run really thrashes: the test would be weak otherwise
-    [point] = tight.points("vllm:request_num_preemptions")
-    assert tuple(point.explicit_bounds) == BUCKETS
-    assert point.count == len(outputs) == 120
-    assert point.sum == sum(counts)
-    assert list(point.bucket_counts) == expected_buckets(counts)
-    assert dict(point.attributes)["model_name"] == "tiny"
-    [total] = tight.points("vllm:num_preemptions")
-    assert total.value == sum(counts)
+    metrics = tight.otel.metrics()
+    hist = metrics.histogram("vllm:request_num_preemptions")
+    assert hist.bounds == BUCKETS
+    assert hist.count == len(outputs) == 120
+    assert hist.sum == sum(counts)
+    assert list(hist.bucket_counts) == expected_buckets(counts)
+    assert hist.attributes["model_name"] == "tiny"
+    assert metrics.counter("vllm:num_preemptions") == sum(counts)
 
 
 def test_ample_kv_puts_every_request_in_the_first_bucket(ample: Instrumented) -> None:
     outputs = ample.run(80)
-    [point] = ample.points("vllm:request_num_preemptions")
-    assert list(point.bucket_counts) == [80] + [0] * len(BUCKETS)
-    assert (point.count, point.sum) == (len(outputs), 0)
+    hist = ample.otel.histogram("request_num_preemptions")
+    assert list(hist.buckets.items()) == [(0.5, 80)] + [(b, 0) for b in (*BUCKETS[1:], math.inf)]
+    assert (hist.count, hist.sum) == (len(outputs), 0)
 
 
 def test_each_request_span_has_its_preemption_events(tight: Instrumented) -> None:
     outputs = tight.run(80)
-    spans = {s.attributes["gen_ai.request.id"]: s for s in tight.spans.get_finished_spans() if s.name == "llm_request"}
+    spans = tight.otel.spans_by_request()
     assert set(spans) == {o.request_id for o in outputs}
+    assert {s.name for s in spans.values()} == {"llm_request"}
     for o in outputs:
-        span = spans[o.request_id]
-        preempted = [e for e in span.events if e.name == "preempted"]
-        assert len(preempted) == o.num_preemptions, o.request_id
-        assert [e.attributes["ordinal"] for e in preempted] == list(range(1, o.num_preemptions + 1))
-        assert all(e.attributes["reason"] == "kv_cache_full" for e in preempted)
-        assert span.attributes["llm.request.num_preemptions"] == o.num_preemptions
+        preempted = tight.otel.preemptions(o.request_id)
+        assert [p.ordinal for p in preempted] == list(range(1, o.num_preemptions + 1)), o.request_id
+        assert all(p.reason == "kv_cache_full" and p.num_computed_tokens > 0 for p in preempted)
+        assert spans[o.request_id].attributes["llm.request.num_preemptions"] == o.num_preemptions
     assert sum(o.num_preemptions for o in outputs) > 0
 
 

@@ -28,18 +28,13 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import HistogramDataPoint, InMemoryMetricReader
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.metrics.export import HistogramDataPoint
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-import otel_llm
-from otel_llm import EngineTelemetry, EventType, RequestEvent, TelemetryConfig
-from otel_llm import request_sink
+from otel_llm import EventType, RequestEvent, TelemetryConfig, request_sink
 from otel_llm import tracker as t
 from otel_llm.hooks import HookBus
-
+from otel_llm.testing import MetricsSnapshot, in_memory_telemetry
 from tests.support.otel_helpers import BOTH_PATHS, FAST
 
 E = EventType
@@ -65,17 +60,13 @@ class LogCounter(logging.Handler):
 
 
 class Rig:
-    """EngineTelemetry on in-memory readers, fed through a real HookBus (as an engine does)."""
+    """EngineTelemetry on in-memory providers (otel_llm.testing), fed through a real HookBus (as an engine does)."""
 
-    def __init__(self, paths: dict[str, str], max_inflight: int = 100_000, spans: bool = True) -> None:
-        self.config = TelemetryConfig(model_name="m", max_inflight_requests=max_inflight, spans=spans)
-        self.reader = InMemoryMetricReader()
-        self.meter_provider = MeterProvider(metric_readers=[self.reader], views=otel_llm.views(self.config))
-        self.exporter = InMemorySpanExporter()
-        self.tracer_provider = TracerProvider()
-        self.tracer_provider.add_span_processor(SimpleSpanProcessor(self.exporter))
-        self.telemetry = EngineTelemetry(self.config, meter_provider=self.meter_provider,
-                                         tracer_provider=self.tracer_provider, **paths)
+    def __init__(self, paths: dict[str, Any], max_inflight: int = 100_000, spans: bool = True) -> None:
+        self.otel = in_memory_telemetry(
+            TelemetryConfig(model_name="m", max_inflight_requests=max_inflight, spans=spans), **paths)
+        self.telemetry = self.otel.telemetry
+        self.exporter = self.otel.span_exporter
         self.bus = HookBus()
         self.bus.subscribe(self.telemetry)
 
@@ -84,18 +75,11 @@ class Rig:
             self.bus.publish(batch)  # never raises: the bus isolates, so check bus.errors too
         self.telemetry.flush()  # apply the batches the telemetry keeps (defer_steps), as a reader would
 
-    def metrics(self) -> dict[str, list[Any]]:
-        out: dict[str, list[Any]] = {}
-        data = self.reader.get_metrics_data()
-        for rm in data.resource_metrics if data else ():
-            for sm in rm.scope_metrics:
-                for m in sm.metrics:
-                    out.setdefault(m.name, []).extend(m.data.data_points)
-        return out
+    def metrics(self) -> MetricsSnapshot:
+        return self.otel.metrics()
 
     def close(self) -> None:
-        self.meter_provider.shutdown()
-        self.tracer_provider.shutdown()
+        self.otel.shutdown()
 
 
 def drops(metrics: dict[str, list[Any]]) -> dict[str, int]:
