@@ -40,8 +40,11 @@ EXPORT = dict(OTEL_EXPORTER_OTLP_PROTOCOL="grpc", OTEL_METRIC_EXPORT_INTERVAL="5
 
 def _no_backoff(handle: Any) -> None:
     """Every export of this handle's span exporter is tried (accounting.Backoff never closes)."""
-    processor = handle.tracer_provider._active_span_processor._span_processors[0]  # SDK 1.45 internals (pinned)
-    processor._batch_processor._exporter._backoff.closed = lambda: False
+    processor = handle.tracer_provider._active_span_processor._span_processors[0]  # SDK internals
+    # The counting exporter: in the processor's BatchProcessor (SDK 1.34+), the processor's own before.
+    exporter = processor._batch_processor._exporter if hasattr(processor, "_batch_processor") \
+        else processor.span_exporter
+    exporter._backoff.closed = lambda: False
 
 
 def _lockstep(requests: list, endpoints: dict[str, str]) -> dict[str, dict[str, float]]:

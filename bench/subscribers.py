@@ -16,11 +16,11 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
-from opentelemetry.sdk._logs.export import LogRecordExporter, LogRecordExportResult
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from otel_llm import tracker as t
+from otel_llm._sdk.logs import LogRecordExporter, LogRecordExportResult
 from otel_llm.config import TelemetryConfig
 from otel_llm.events import EventType, RequestEvent, StepStats
 from otel_llm.metrics import BY_KEY, METRICS, base_attributes

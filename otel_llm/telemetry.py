@@ -185,7 +185,8 @@ class EngineTelemetry:
 
     def shutdown(self) -> None:
         """Apply pending events, end the spans of requests still in flight (marked incomplete).
-        Idempotent."""
+        Requests that arrive later get no span (the providers are shut down with it: each span
+        would be dropped, with a warning line per span from SDK 1.28's batch processor). Idempotent."""
         self.flush()
         with self.metrics.lock:
             if self._closed:
@@ -194,6 +195,7 @@ class EngineTelemetry:
             for req in self.tracker.drain():
                 if req.span is not None:
                     self.spans.abandon(req.span, None, "shutdown")  # type: ignore[union-attr]
+            self._sink.spans = None
 
 
 def _valid_step(stats: StepStats) -> bool:
