@@ -49,6 +49,7 @@ from otel_llm.testing.cost import TimedHooks, started_threads, threads_cpu_s
 from engine_stub import Engine, EngineConfig
 from otel_llm import TelemetryConfig, setup_telemetry
 from otel_llm import tracker
+from tests.support.sdk_versions import at_least
 
 pytestmark = pytest.mark.backend
 
@@ -252,7 +253,9 @@ def test_collector_outage_does_not_slow_or_block_the_engine_and_losses_are_count
         engine = Engine(EngineConfig(num_kv_blocks=128, block_size=16, max_num_seqs=16, max_num_batched_tokens=128,
                                      seed=0, load_plugins=False))
         load = Load(engine, handle.telemetry, threads)
-        batch = handle.tracer_provider._active_span_processor._span_processors[0]._batch_processor
+        processor = handle.tracer_provider._active_span_processor._span_processors[0]
+        # The span queue: in the processor's BatchProcessor (SDK 1.34+), its own before.
+        queue = processor._batch_processor._queue if hasattr(processor, "_batch_processor") else processor.queue
 
         load.run("warmup", WARMUP_STEPS)
         load.run("healthy_before", HEALTHY_STEPS)
@@ -264,7 +267,7 @@ def test_collector_outage_does_not_slow_or_block_the_engine_and_losses_are_count
 
         def watch_queue() -> None:
             nonlocal queue_max
-            queue_max = max(queue_max, len(batch._queue))
+            queue_max = max(queue_max, len(queue))
 
         def both_exports_failed() -> bool:
             dropped = handle.accounting.dropped
@@ -285,7 +288,7 @@ def test_collector_outage_does_not_slow_or_block_the_engine_and_losses_are_count
         wait_until(resumed, 60.0, interval=0.0, what="spans of requests that arrived after the restart")
         resume_s = time.monotonic() - resumed_at
         metric_requests_at_resume = len(sink.metrics)
-        load.run("settle", 100, until=lambda: len(batch._queue) < 64)  # what queued during the outage is sent
+        load.run("settle", 100, until=lambda: len(queue) < 64)  # what queued during the outage is sent
         load.run("healthy_after", HEALTHY_STEPS)
         load.drain()
         assert handle.force_flush(10_000)
@@ -334,10 +337,16 @@ def test_collector_outage_does_not_slow_or_block_the_engine_and_losses_are_count
         handle.shutdown()
         handle.shutdown()  # harmless
         # Every span accounted for: delivered to the collector, or dropped by a counted reason.
+        # Exactly so where the batch processor's queue-full drops are counted (SDK 1.41+: its
+        # drop hook, otel_llm._sdk.batch_processor); before, those go uncounted: at most.
         spans_ended = load.added
         accounted = handle.accounting.exported.get("spans", 0) + sum(
             n for reason, n in handle.accounting.dropped.items() if reason.startswith("spans_"))
-        assert accounted == spans_ended, (accounted, spans_ended, handle.accounting.dropped, handle.accounting.exported)
+        detail = (accounted, spans_ended, handle.accounting.dropped, handle.accounting.exported)
+        if at_least("1.41"):
+            assert accounted == spans_ended, detail
+        else:
+            assert accounted <= spans_ended, detail
     finally:
         if handle is not None:
             handle.shutdown()

@@ -27,9 +27,14 @@ def needs_sdk(release: str, feature: str) -> pytest.MarkDecorator:
                               reason=f"{feature} needs opentelemetry-sdk {release}+; installed {SDK_VERSION}")
 
 
+def prometheus_exporter_at_least(release: str) -> bool:
+    """The installed opentelemetry-exporter-prometheus is ``release`` ("0.64b0") or newer."""
+    return _release(PROMETHEUS_EXPORTER_VERSION) >= _release(release)
+
+
 def needs_prometheus_exporter(release: str, feature: str) -> pytest.MarkDecorator:
     """Skip unless opentelemetry-exporter-prometheus is ``release`` ("0.64b0") or newer."""
-    return pytest.mark.skipif(_release(PROMETHEUS_EXPORTER_VERSION) < _release(release),
+    return pytest.mark.skipif(not prometheus_exporter_at_least(release),
                               reason=f"{feature} needs opentelemetry-exporter-prometheus {release}+; "
                                      f"installed {PROMETHEUS_EXPORTER_VERSION}")
 
