@@ -239,6 +239,7 @@ class _Impl:
             self._engine(idx)
         if self.series is not None:
             self._bind_series()
+        self.gauges = _shared_gauges(vllm_config, self.series, self.telemetry)
         self._last_sched: dict[int, tuple[int, int, float]] = {}
         self._deep_hook = None
         from . import vllm_deep_hook
@@ -372,6 +373,8 @@ class _Impl:
             return
         tel.on_step(StepStats(timestamp=now, num_running=running, num_waiting=waiting,
                               kv_cache_usage=usage, num_batched_tokens=batched))
+        if sched is not None and self.gauges is not None:
+            self.gauges.publish(idx, running, waiting, usage)
 
     def _iteration_tokens(self, it: Any) -> Optional[int]:
         # vLLM: prompt_token_stats.computed + num_generation_tokens (cached prompt tokens excluded).
@@ -539,6 +542,18 @@ def _series(vllm_config: Any, engine_indexes: list[int], naming: str) -> Any:
     except Exception as exc:
         _log.warning("otel-llm vLLM adapter: vLLM's series beyond the core metrics are not recorded, their "
                      "logger could not be built (%r)", exc)
+        return None
+
+
+def _shared_gauges(vllm_config: Any, series: Any, telemetry: dict[int, Any]) -> Any:
+    """With several API servers, the scheduler gauges reported once per engine
+    (:mod:`.vllm_gauges`); None with one, or when they cannot be shared."""
+    try:
+        from .vllm_gauges import share
+
+        return share(vllm_config, series, telemetry)
+    except Exception:
+        _log.exception("otel-llm vLLM adapter: the scheduler gauges stay per API server, sharing them failed")
         return None
 
 

@@ -113,10 +113,13 @@ class _Family:
 
 
 class _Value:
-    __slots__ = ("value",)
+    """A series' value; ``read``, when set, is what collection exports instead (None: nothing)."""
+
+    __slots__ = ("value", "read")
 
     def __init__(self) -> None:
         self.value = 0.0
+        self.read: Optional[Callable[[], Optional[float]]] = None
 
     def inc(self, amount: float = 1) -> None:
         self.value += amount
@@ -280,7 +283,9 @@ class _Binding:
                 if isinstance(child, HistogramCell):
                     yield child.observation()
                 else:
-                    yield Observation(child.value, dict(zip(family.otel_labels, key)))
+                    value = child.value if child.read is None else child.read()
+                    if value is not None:
+                        yield Observation(value, dict(zip(family.otel_labels, key)))
         return callback
 
 
