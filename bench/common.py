@@ -34,7 +34,7 @@ def interleave(variants: dict[str, Callable[[], float]], reps: int, rotate: bool
     names = list(variants)
     out: dict[str, list[float]] = {n: [] for n in names}
     for r in range(reps):
-        order = names[r % len(names):] + names[:r % len(names)] if rotate else names
+        order = names[r % len(names) :] + names[: r % len(names)] if rotate else names
         for name in order:
             gc.collect()
             out[name].append(variants[name]())
@@ -105,10 +105,21 @@ def otlp_receiver() -> Iterator[dict[str, Any]]:
                     if grpc_port == http_port:
                         continue
                     proc = subprocess.Popen(
-                        [binary, "start", f"--otlp-grpc-endpoint={LOOPBACK}:{grpc_port}",
-                         f"--otlp-http-endpoint={LOOPBACK}:{http_port}", f"--pid-file={workdir / 'rotel.pid'}",
-                         f"--log-file={workdir / 'rotel.log'}", "--exporter=blackhole"],
-                        stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=workdir, env=env)
+                        [
+                            binary,
+                            "start",
+                            f"--otlp-grpc-endpoint={LOOPBACK}:{grpc_port}",
+                            f"--otlp-http-endpoint={LOOPBACK}:{http_port}",
+                            f"--pid-file={workdir / 'rotel.pid'}",
+                            f"--log-file={workdir / 'rotel.log'}",
+                            "--exporter=blackhole",
+                        ],
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                        cwd=workdir,
+                        env=env,
+                    )
                     deadline = time.monotonic() + 15
                     while time.monotonic() < deadline and proc.poll() is None:
                         if _port_open(grpc_port) and _port_open(http_port):
@@ -119,8 +130,11 @@ def otlp_receiver() -> Iterator[dict[str, Any]]:
                     _stop(proc)
                     proc = None
                 if proc is not None:
-                    yield {"kind": "rotel-agent (subprocess, blackhole exporter)",
-                           "grpc": f"http://{LOOPBACK}:{grpc_port}", "http": f"http://{LOOPBACK}:{http_port}"}
+                    yield {
+                        "kind": "rotel-agent (subprocess, blackhole exporter)",
+                        "grpc": f"http://{LOOPBACK}:{grpc_port}",
+                        "http": f"http://{LOOPBACK}:{http_port}",
+                    }
                     return
         finally:
             if proc is not None:

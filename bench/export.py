@@ -53,8 +53,13 @@ def one(engines: int, mix: Any, endpoint: str, reps: int) -> dict[str, Any]:
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
     reader = InMemoryMetricReader()
-    config = TelemetryConfig(model_name="bench", spans=False, prometheus_port=0, metrics_exporters=("prometheus",),
-                             traces_exporters=("none",))
+    config = TelemetryConfig(
+        model_name="bench",
+        spans=False,
+        prometheus_port=0,
+        metrics_exporters=("prometheus",),
+        traces_exporters=("none",),
+    )
     handle = setup_telemetry(config, extra_metric_readers=[reader])
     try:
         telemetries = [handle.telemetry] + [handle.new_telemetry(engine=str(i)) for i in range(1, engines)]
@@ -77,8 +82,9 @@ def one(engines: int, mix: Any, endpoint: str, reps: int) -> dict[str, Any]:
         export_ms, result = _timed(lambda: exporter.export(data), reps)
         exporter.shutdown()
         series = sum(1 for line in text_body.splitlines() if line and not line.startswith(b"#"))
-        points = sum(len(m.data.data_points) for rm in data.resource_metrics for sm in rm.scope_metrics
-                     for m in sm.metrics)
+        points = sum(
+            len(m.data.data_points) for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
+        )
         return {
             "engines": engines,
             "prometheus_samples": series,
@@ -91,7 +97,9 @@ def one(engines: int, mix: Any, endpoint: str, reps: int) -> dict[str, Any]:
             "prometheus_client_render_text_ms": base["render_text_ms"],
             "prometheus_client_text_bytes": base["text_bytes"],
             "prometheus_client_samples": base["samples"],
-            "render_ratio_ours/prometheus_client": render_ms / base["render_text_ms"] if base["render_text_ms"] else None,
+            "render_ratio_ours/prometheus_client": render_ms / base["render_text_ms"]
+            if base["render_text_ms"]
+            else None,
             "collect_ms": collect_ms,
             "otlp_encode_ms": encode_ms,
             "otlp_bytes": len(encoded),
@@ -117,8 +125,11 @@ def processes(count: int, mix: Any, endpoint: str) -> dict[str, Any]:
     try:
         for i in range(count):
             reader = InMemoryMetricReader()
-            provider = MeterProvider(metric_readers=[reader], views=views(config),
-                                     resource=Resource({"service.name": "bench", "service.instance.id": f"p{i}"}))
+            provider = MeterProvider(
+                metric_readers=[reader],
+                views=views(config),
+                resource=Resource({"service.name": "bench", "service.instance.id": f"p{i}"}),
+            )
             telemetry = EngineTelemetry(config, meter_provider=provider)
             for events, stats in mix.warmup + mix.steps:
                 telemetry.on_events(events)
@@ -128,16 +139,25 @@ def processes(count: int, mix: Any, endpoint: str) -> dict[str, Any]:
             assert data is not None
             exporter.export(data)
             export_ms.append((time.perf_counter() - t0) * 1e3)
-            for p in (p for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
-                      for p in m.data.data_points):
+            for p in (
+                p
+                for rm in data.resource_metrics
+                for sm in rm.scope_metrics
+                for m in sm.metrics
+                for p in m.data.data_points
+            ):
                 points += 1
                 series += len(p.bucket_counts) + 2 if isinstance(p, HistogramDataPoint) else 1
             provider.shutdown()
     finally:
         exporter.shutdown()
-    return {"processes": count, "collect_and_export_ms_per_process": median(export_ms),
-            "collector_data_points": points, "collector_prometheus_series": series,
-            "prometheus_series_per_process": series / count}
+    return {
+        "processes": count,
+        "collect_and_export_ms_per_process": median(export_ms),
+        "collector_data_points": points,
+        "collector_prometheus_series": series,
+        "prometheus_series_per_process": series / count,
+    }
 
 
 def _prometheus_client_baseline(engines: int, mix: Any, reps: int) -> dict[str, Any]:
@@ -150,9 +170,12 @@ def _prometheus_client_baseline(engines: int, mix: Any, reps: int) -> dict[str, 
 
     registry = CollectorRegistry(auto_describe=False)
     first = PrometheusClientSubscriber(TelemetryConfig(model_name="bench", engine="0"), registry=registry)
-    subs = [first] + [PrometheusClientSubscriber(TelemetryConfig(model_name="bench", engine=str(i)),
-                                                 registry=registry, families=first._families)
-                      for i in range(1, engines)]
+    subs = [first] + [
+        PrometheusClientSubscriber(
+            TelemetryConfig(model_name="bench", engine=str(i)), registry=registry, families=first._families
+        )
+        for i in range(1, engines)
+    ]
     for sub in subs:
         for events, stats in mix.warmup + mix.steps:
             sub.on_events(events)
@@ -169,6 +192,10 @@ def run(tiny: bool, reps: int) -> dict[str, Any]:
     with otlp_receiver() as receiver:
         rows = [one(n, mix, receiver["grpc"], reps) for n in counts]
         fleet = [processes(n, mix, receiver["grpc"]) for n in counts]
-    return {"receiver": receiver["kind"], "events_per_engine": mix.num_events + sum(len(e) for e, _ in mix.warmup),
-            "repetitions": reps, "by_engines": {str(r["engines"]): r for r in rows},
-            "by_processes": {str(r["processes"]): r for r in fleet}}
+    return {
+        "receiver": receiver["kind"],
+        "events_per_engine": mix.num_events + sum(len(e) for e, _ in mix.warmup),
+        "repetitions": reps,
+        "by_engines": {str(r["engines"]): r for r in rows},
+        "by_processes": {str(r["processes"]): r for r in fleet},
+    }

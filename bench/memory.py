@@ -38,7 +38,7 @@ def inflight_bytes(n: int) -> dict[str, float]:
         batches = []
         for start in range(0, n, 1000):
             batch = []
-            for rid in ids[start:start + 1000]:
+            for rid in ids[start : start + 1000]:
                 batch.append(RequestEvent(EventType.ARRIVED, rid, 10.0, prompt_tokens=100, max_tokens=200))
                 batch.append(RequestEvent(EventType.QUEUED, rid, 10.0))
                 batch.append(RequestEvent(EventType.SCHEDULED, rid, 10.5))
@@ -60,8 +60,9 @@ def inflight_bytes(n: int) -> dict[str, float]:
 
 def rss_flat(total: int, batch: int = 1000, samples: int = 10) -> dict[str, Any]:
     # defer_steps=1: a batch here is 1000 requests, not an engine step.
-    config = TelemetryConfig(model_name="bench", spans=False, max_inflight_requests=min(100_000, total // 4),
-                             defer_steps=1)
+    config = TelemetryConfig(
+        model_name="bench", spans=False, max_inflight_requests=min(100_000, total // 4), defer_steps=1
+    )
     sub = otel_subscriber(config)
     gc.collect()
     t = 100.0
@@ -149,9 +150,15 @@ def steady_state(warm: int, measured: int, batch: int = 1000, chunk: int = 10_00
     for sub in subs.values():
         sub.shutdown()
     us = {name: ns / 1e3 / measured for name, ns in times.items()}
-    return {"finished_id_memory": warm, "requests_timed": measured, "events_per_request": 9,
-            "us_per_request": us, "us_per_request_by_chunk": by_chunk, "chunk_requests": chunk,
-            "ratio max/min chunk": ratio(max(by_chunk["ours"]), min(by_chunk["ours"]))}
+    return {
+        "finished_id_memory": warm,
+        "requests_timed": measured,
+        "events_per_request": 9,
+        "us_per_request": us,
+        "us_per_request_by_chunk": by_chunk,
+        "chunk_requests": chunk,
+        "ratio max/min chunk": ratio(max(by_chunk["ours"]), min(by_chunk["ours"])),
+    }
 
 
 def run(tiny: bool, reps: int) -> dict[str, Any]:
@@ -160,8 +167,9 @@ def run(tiny: bool, reps: int) -> dict[str, Any]:
     flat = rss_flat(total, samples=10 if tiny else 30)
     inflight = inflight_bytes(n)
     # 300 000 > one resize cycle of a 100 000-entry dict (~250 000 insertions between compactions).
-    steady = steady_state(warm=10_000 if tiny else 100_000, measured=30_000 if tiny else 300_000,
-                          chunk=1_000 if tiny else 10_000)
+    steady = steady_state(
+        warm=10_000 if tiny else 100_000, measured=30_000 if tiny else 300_000, chunk=1_000 if tiny else 10_000
+    )
     out = {
         "inflight_requests": n,
         "bytes_per_inflight_request": inflight,
@@ -177,6 +185,7 @@ def run(tiny: bool, reps: int) -> dict[str, Any]:
     samples = flat["rss_samples"]
     half = samples[len(samples) // 2][1]
     flat["rss_growth_second_half_bytes"] = samples[-1][1] - half
-    out["targets"] = {"memory flat": abs(flat["blocks_slope_per_request"]) < 0.01
-                      and flat["rss_growth_second_half_bytes"] < 2**20}
+    out["targets"] = {
+        "memory flat": abs(flat["blocks_slope_per_request"]) < 0.01 and flat["rss_growth_second_half_bytes"] < 2**20
+    }
     return out

@@ -34,16 +34,22 @@ from .common import env, free_port, median, otlp_receiver
 from .throughput import ENGINE, _Runner
 
 KINDS = ("off", "healthy", "outage", "outage_no_backoff")
-EXPORT = dict(OTEL_EXPORTER_OTLP_PROTOCOL="grpc", OTEL_METRIC_EXPORT_INTERVAL="500", OTEL_EXPORTER_OTLP_TIMEOUT="2",
-              OTEL_BSP_SCHEDULE_DELAY="200", OTEL_BSP_MAX_EXPORT_BATCH_SIZE="64")
+EXPORT = dict(
+    OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
+    OTEL_METRIC_EXPORT_INTERVAL="500",
+    OTEL_EXPORTER_OTLP_TIMEOUT="2",
+    OTEL_BSP_SCHEDULE_DELAY="200",
+    OTEL_BSP_MAX_EXPORT_BATCH_SIZE="64",
+)
 
 
 def _no_backoff(handle: Any) -> None:
     """Every export of this handle's span exporter is tried (accounting.Backoff never closes)."""
     processor = handle.tracer_provider._active_span_processor._span_processors[0]  # SDK internals
     # The counting exporter: in the processor's BatchProcessor (SDK 1.34+), the processor's own before.
-    exporter = processor._batch_processor._exporter if hasattr(processor, "_batch_processor") \
-        else processor.span_exporter
+    exporter = (
+        processor._batch_processor._exporter if hasattr(processor, "_batch_processor") else processor.span_exporter
+    )
     exporter._backoff.closed = lambda: False
 
 
@@ -53,8 +59,9 @@ def _lockstep(requests: list, endpoints: dict[str, str]) -> dict[str, dict[str, 
     for kind in KINDS:
         engine = Engine(EngineConfig(**ENGINE))
         if kind != "off":
-            config = TelemetryConfig(model_name="bench", engine=kind, metrics_exporters=("otlp",),
-                                     traces_exporters=("otlp",))
+            config = TelemetryConfig(
+                model_name="bench", engine=kind, metrics_exporters=("otlp",), traces_exporters=("otlp",)
+            )
             with env(OTEL_EXPORTER_OTLP_ENDPOINT=endpoints[kind], **EXPORT):
                 handles[kind], threads[kind] = started_threads(functools.partial(setup_telemetry, config))
             if kind == "outage_no_backoff":
@@ -77,12 +84,18 @@ def _lockstep(requests: list, endpoints: dict[str, str]) -> dict[str, dict[str, 
     out = {}
     for kind, r in runners.items():
         engine_s = cpu_ns[kind] / 1e9
-        row = {"tokens_per_s": sum(len(o.token_ids) for o in r.outputs) / (r.ns / 1e9), "steps": r.steps,
-               "engine_cpu_ms_per_step": engine_s * 1e3 / r.steps}
+        row = {
+            "tokens_per_s": sum(len(o.token_ids) for o in r.outputs) / (r.ns / 1e9),
+            "steps": r.steps,
+            "engine_cpu_ms_per_step": engine_s * 1e3 / r.steps,
+        }
         if kind in handles:
             hooks_s = hooks[kind].cpu_ns / 1e9
-            row.update(hooks_cpu_us_per_step=hooks_s * 1e6 / r.steps, threads_cpu_us_per_step=threads_s[kind] * 1e6 / r.steps,
-                       telemetry_share=(hooks_s + threads_s[kind]) / engine_s)
+            row.update(
+                hooks_cpu_us_per_step=hooks_s * 1e6 / r.steps,
+                threads_cpu_us_per_step=threads_s[kind] * 1e6 / r.steps,
+                telemetry_share=(hooks_s + threads_s[kind]) / engine_s,
+            )
         out[kind] = row
     for kind, handle in handles.items():
         t0 = time.perf_counter()
@@ -98,8 +111,9 @@ def _lockstep(requests: list, endpoints: dict[str, str]) -> dict[str, dict[str, 
 def run(tiny: bool, reps: int) -> dict[str, Any]:
     num_requests = 15 if tiny else 160
     config = EngineConfig(**ENGINE)
-    requests = generate(WorkloadSpec(num_requests=num_requests, rate=50.0, seed=0),
-                        config.num_kv_blocks * config.block_size)
+    requests = generate(
+        WorkloadSpec(num_requests=num_requests, rate=50.0, seed=0), config.num_kv_blocks * config.block_size
+    )
     with otlp_receiver() as receiver:
         down = f"http://127.0.0.1:{free_port()}"  # nothing listens there
         endpoints = {"healthy": receiver["grpc"], "outage": down, "outage_no_backoff": down}
@@ -110,15 +124,18 @@ def run(tiny: bool, reps: int) -> dict[str, Any]:
     share = {k: median([r[k]["telemetry_share"] for r in runs]) for k in telemetry}
     out = {
         "method": "lockstep as in section 2 (same engine, workload and seed per variant); the telemetry's share: "
-                  "(its CPU inside the hooks + its own threads' CPU) / the engine thread's CPU, CPU clocks",
+        "(its CPU inside the hooks + its own threads' CPU) / the engine thread's CPU, CPU clocks",
         "receiver": receiver["kind"],
         "requests": num_requests,
         "repetitions": reps,
         "tokens_per_s": {k: median([r[k]["tokens_per_s"] for r in runs]) for k in KINDS},
-        "ratios_paired_median": {f"{k}/off": median([r[k]["tokens_per_s"] / r["off"]["tokens_per_s"] for r in runs])
-                                 for k in telemetry}
-                                | {f"{k}/healthy": median([r[k]["tokens_per_s"] / r["healthy"]["tokens_per_s"]
-                                                           for r in runs]) for k in telemetry[1:]},
+        "ratios_paired_median": {
+            f"{k}/off": median([r[k]["tokens_per_s"] / r["off"]["tokens_per_s"] for r in runs]) for k in telemetry
+        }
+        | {
+            f"{k}/healthy": median([r[k]["tokens_per_s"] / r["healthy"]["tokens_per_s"] for r in runs])
+            for k in telemetry[1:]
+        },
         "telemetry_share": share,
         "telemetry_share_all": {k: [r[k]["telemetry_share"] for r in runs] for k in telemetry},
         "extra_share_vs_healthy": {k: share[k] - share["healthy"] for k in telemetry[1:]},

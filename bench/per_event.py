@@ -31,22 +31,34 @@ CONFIG_EXPONENTIAL = dataclasses.replace(CONFIG, histogram_aggregation="base2_ex
 
 SUBSCRIBERS: dict[str, tuple[str, Callable[[], Any]]] = {
     "ours": ("EngineTelemetry, fast path, spans off", lambda: otel_subscriber(CONFIG)),
-    "ours_spans": ("EngineTelemetry, fast path, spans on (BatchSpanProcessor, null exporter)",
-                   lambda: otel_subscriber(CONFIG_SPANS)),
-    "ours_spans_log": ("ours_spans with preemption_events=log (BatchLogRecordProcessor, null exporter)",
-                       lambda: otel_subscriber(CONFIG_LOG)),
+    "ours_spans": (
+        "EngineTelemetry, fast path, spans on (BatchSpanProcessor, null exporter)",
+        lambda: otel_subscriber(CONFIG_SPANS),
+    ),
+    "ours_spans_log": (
+        "ours_spans with preemption_events=log (BatchLogRecordProcessor, null exporter)",
+        lambda: otel_subscriber(CONFIG_LOG),
+    ),
     "ours_spans_both": ("ours_spans with preemption_events=both", lambda: otel_subscriber(CONFIG_BOTH)),
-    "ours_exponential": ("ours with exponential histograms (cells keep base-2 buckets too)",
-                         lambda: otel_subscriber(CONFIG_EXPONENTIAL)),
+    "ours_exponential": (
+        "ours with exponential histograms (cells keep base-2 buckets too)",
+        lambda: otel_subscriber(CONFIG_EXPONENTIAL),
+    ),
     "floor": ("(a) floor: stats[k] += 1 per event", CountingSubscriber),
-    "prometheus_client": ("(b) vLLM-style prometheus_client, bound children, same Tracker",
-                          lambda: PrometheusClientSubscriber(CONFIG)),
-    "naive_otel": ("(c) EngineTelemetry(metric_path='sdk'): one SDK record/add per observation",
-                   lambda: otel_subscriber(CONFIG, metric_path="sdk", span_path="tracer")),
+    "prometheus_client": (
+        "(b) vLLM-style prometheus_client, bound children, same Tracker",
+        lambda: PrometheusClientSubscriber(CONFIG),
+    ),
+    "naive_otel": (
+        "(c) EngineTelemetry(metric_path='sdk'): one SDK record/add per observation",
+        lambda: otel_subscriber(CONFIG, metric_path="sdk", span_path="tracer"),
+    ),
 }
 
 
-def measure(factories: dict[str, Callable[[], Any]], mix: EventMix, reps: int, chunk: int = 4) -> dict[str, list[float]]:
+def measure(
+    factories: dict[str, Callable[[], Any]], mix: EventMix, reps: int, chunk: int = 4
+) -> dict[str, list[float]]:
     """ns per event, one value per repetition and subscriber.
 
     Interleaved at a fine grain: every repetition builds all subscribers, warms them up, then
@@ -66,7 +78,7 @@ def measure(factories: dict[str, Callable[[], Any]], mix: EventMix, reps: int, c
         totals = dict.fromkeys(names, 0)
         clock = time.perf_counter_ns
         for i, start in enumerate(range(0, len(steps), chunk)):
-            part = steps[start:start + chunk]
+            part = steps[start : start + chunk]
             k = i % len(names)
             for n in names[k:] + names[:k]:
                 sub = subs[n]
@@ -88,6 +100,7 @@ def sanity(mix: EventMix) -> dict[str, Any]:
     floor = CountingSubscriber()
     replay(floor, everything)
     from otel_llm.events import EventType
+
     expected = {
         "finished": float(floor.stats[EventType.FINISHED]),
         "preemptions": float(floor.stats[EventType.PREEMPTED]),
@@ -96,8 +109,15 @@ def sanity(mix: EventMix) -> dict[str, Any]:
         "num_preemptions_hist_count": float(floor.stats[EventType.FINISHED]),
     }
     totals: dict[str, dict[str, float]] = {"floor (event counts)": expected}
-    for name in ("ours", "ours_spans", "ours_spans_log", "ours_spans_both", "ours_exponential", "prometheus_client",
-                 "naive_otel"):
+    for name in (
+        "ours",
+        "ours_spans",
+        "ours_spans_log",
+        "ours_spans_both",
+        "ours_exponential",
+        "prometheus_client",
+        "naive_otel",
+    ):
         sub = SUBSCRIBERS[name][1]()
         replay(sub, everything)
         totals[name] = sub.totals()
@@ -124,14 +144,19 @@ def profile_ours(mix: EventMix, top: int = 25, name: str = "ours") -> dict[str, 
     stats = pstats.Stats(prof)
     rows = []
     for (file, line, func), (_cc, nc, tt, ct, _callers) in stats.stats.items():  # type: ignore[attr-defined]
-        rows.append({"function": f"{file.rsplit('/', 2)[-1] if '/' in file else file}:{line}({func})",
-                     "calls": nc, "tottime_s": round(tt, 4), "cumtime_s": round(ct, 4),
-                     "per_call_us": round(ct / nc * 1e6, 3) if nc else None})
+        rows.append(
+            {
+                "function": f"{file.rsplit('/', 2)[-1] if '/' in file else file}:{line}({func})",
+                "calls": nc,
+                "tottime_s": round(tt, 4),
+                "cumtime_s": round(ct, 4),
+                "per_call_us": round(ct / nc * 1e6, 3) if nc else None,
+            }
+        )
     rows.sort(key=lambda r: r["cumtime_s"], reverse=True)
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(12)
-    return {"events": mix.num_events, "top_cumulative": rows[:top],
-            "top_tottime_text": text.getvalue()[-4000:]}
+    return {"events": mix.num_events, "top_cumulative": rows[:top], "top_tottime_text": text.getvalue()[-4000:]}
 
 
 def run(tiny: bool, reps: int) -> dict[str, Any]:
@@ -170,28 +195,40 @@ def run(tiny: bool, reps: int) -> dict[str, Any]:
     out["ratios_paired_median"] = {
         "ours/prometheus_client": median([a / b for a, b in zip(measured["ours"], measured["prometheus_client"])]),
         "ours/floor": median([a / b for a, b in zip(measured["ours"], measured["floor"])]),
-        "ours_spans_log/ours_spans": median([a / b for a, b in zip(measured["ours_spans_log"],
-                                                                    measured["ours_spans"])]),
-        "ours_spans_both/ours_spans": median([a / b for a, b in zip(measured["ours_spans_both"],
-                                                                     measured["ours_spans"])]),
+        "ours_spans_log/ours_spans": median(
+            [a / b for a, b in zip(measured["ours_spans_log"], measured["ours_spans"])]
+        ),
+        "ours_spans_both/ours_spans": median(
+            [a / b for a, b in zip(measured["ours_spans_both"], measured["ours_spans"])]
+        ),
         "ours_exponential/ours": median([a / b for a, b in zip(measured["ours_exponential"], measured["ours"])]),
     }
     out["proposals"] = {
         "equal_totals": proposals.check_equal(mix),
         "ns_per_event": {name.split(":", 1)[1]: ns[name] for name in ns if name.startswith("proposal:")},
-        "vs_ours_paired_median": {name.split(":", 1)[1]: median([a / b for a, b in zip(measured[name], measured["ours"])])
-                                  for name in ns if name.startswith("proposal:")},
-        "vs_floor": {name.split(":", 1)[1]: ratio(ns[name], ns["floor"]) for name in ns if name.startswith("proposal:")},
-        "vs_prometheus_client": {name.split(":", 1)[1]: ratio(ns[name], ns["prometheus_client"])
-                                 for name in ns if name.startswith("proposal:")},
+        "vs_ours_paired_median": {
+            name.split(":", 1)[1]: median([a / b for a, b in zip(measured[name], measured["ours"])])
+            for name in ns
+            if name.startswith("proposal:")
+        },
+        "vs_floor": {
+            name.split(":", 1)[1]: ratio(ns[name], ns["floor"]) for name in ns if name.startswith("proposal:")
+        },
+        "vs_prometheus_client": {
+            name.split(":", 1)[1]: ratio(ns[name], ns["prometheus_client"])
+            for name in ns
+            if name.startswith("proposal:")
+        },
         "what": proposals.__doc__,
     }
     out["diagnostics"] = {
         "ns_per_event": {name.split(":", 1)[1]: ns[name] for name in ns if name.startswith("diagnostic:")},
-        "vs_floor": {name.split(":", 1)[1]: ratio(ns[name], ns["floor"]) for name in ns
-                     if name.startswith("diagnostic:")},
-        "share_of_ours": {name.split(":", 1)[1]: ratio(ns[name], ns["ours"]) for name in ns
-                          if name.startswith("diagnostic:")},
+        "vs_floor": {
+            name.split(":", 1)[1]: ratio(ns[name], ns["floor"]) for name in ns if name.startswith("diagnostic:")
+        },
+        "share_of_ours": {
+            name.split(":", 1)[1]: ratio(ns[name], ns["ours"]) for name in ns if name.startswith("diagnostic:")
+        },
     }
     out["targets"] = {
         "ours <= 1.0x prometheus_client": out["ratios"]["ours/prometheus_client"] <= 1.0,

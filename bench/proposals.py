@@ -40,6 +40,7 @@ class _NullSink:
     def __getattr__(self, name: str) -> Callable[..., None]:
         def nothing(*args: Any) -> None:
             return None
+
         setattr(self, name, nothing)
         return nothing
 
@@ -49,6 +50,7 @@ class TrackerOnly:
 
     def __init__(self, tracker_cls: type = Tracker) -> None:
         import threading
+
         self.tracker = tracker_cls(_NullSink(), CONFIG.max_inflight_requests)
         self._lock = threading.Lock()
 
@@ -107,6 +109,7 @@ def _inline(telemetry: Any) -> None:
                     metrics.n_generation += generated
         except Exception:  # noqa: BLE001
             sink.internal_error(events)
+
     telemetry.on_events = on_events
 
 
@@ -116,6 +119,7 @@ def _variant(inline: bool) -> Callable[[], OtelSubscriber]:
         if inline:
             _inline(sub.telemetry)
         return sub
+
     return make
 
 
@@ -157,8 +161,13 @@ def micro(number: int = 200_000, repeat: int = 7) -> dict[str, float]:
 
     sub = otel_subscriber(CONFIG)
     tel = sub.telemetry
-    tel.on_events([RequestEvent(EventType.ARRIVED, "r", 1.0, prompt_tokens=3, max_tokens=10**9),
-                   RequestEvent(EventType.SCHEDULED, "r", 1.0), RequestEvent(EventType.TOKENS, "r", 1.1, num_tokens=1)])
+    tel.on_events(
+        [
+            RequestEvent(EventType.ARRIVED, "r", 1.0, prompt_tokens=3, max_tokens=10**9),
+            RequestEvent(EventType.SCHEDULED, "r", 1.0),
+            RequestEvent(EventType.TOKENS, "r", 1.1, num_tokens=1),
+        ]
+    )
     tel.flush()
     req = tel.tracker.inflight["r"]
     ev = RequestEvent(EventType.TOKENS, "r", 1.2, num_tokens=1)

@@ -7,7 +7,8 @@
   :class:`otel_llm.tracker.Tracker` as the telemetry, so the comparison is about the metric path
   only; same metric set, same buckets (inter-token latency per token included).
 * ``ours`` / ``naive`` -- :class:`otel_llm.EngineTelemetry` with the fast path (default on a
-  provider built with ``otel_llm.views``) or ``metric_path="sdk", span_path="tracer"`` (one SDK record/add per observation).
+  provider built with ``otel_llm.views``) or ``metric_path="sdk", span_path="tracer"`` (one SDK
+  record/add per observation).
 """
 
 from __future__ import annotations
@@ -49,8 +50,12 @@ class CountingSubscriber:
 class PrometheusClientSubscriber:
     """(b) vLLM-style: prometheus_client children bound once, one call per observation."""
 
-    def __init__(self, config: TelemetryConfig, registry: Optional[CollectorRegistry] = None,
-                 families: Optional[dict[str, Any]] = None) -> None:
+    def __init__(
+        self,
+        config: TelemetryConfig,
+        registry: Optional[CollectorRegistry] = None,
+        families: Optional[dict[str, Any]] = None,
+    ) -> None:
         """``families``: another instance's ``_families`` -- engines sharing one registry (vLLM's
         data-parallel ranks: one family per metric, an ``engine`` label per rank)."""
         self.registry = registry if registry is not None else CollectorRegistry()
@@ -73,8 +78,9 @@ class PrometheusClientSubscriber:
             elif m.kind == "gauge":
                 family = Gauge(name, m.meaning, names + extra, registry=self.registry)
             else:
-                family = Histogram(name, m.meaning, names + extra, registry=self.registry,
-                                   buckets=list(m.boundaries(config)))
+                family = Histogram(
+                    name, m.meaning, names + extra, registry=self.registry, buckets=list(m.boundaries(config))
+                )
             self._families[m.key] = family
             if not extra:
                 bound[m.key] = family.labels(*values)
@@ -86,8 +92,11 @@ class PrometheusClientSubscriber:
         b = bound
         self.c_preemptions, self.c_recomputed = b["num_preemptions"], b["num_recomputed_tokens"]
         self.c_prompt, self.c_generation = b["prompt_tokens"], b["generation_tokens"]
-        self.g_running, self.g_waiting, self.g_kv = (b["num_requests_running"], b["num_requests_waiting"],
-                                                     b["kv_cache_usage_perc"])
+        self.g_running, self.g_waiting, self.g_kv = (
+            b["num_requests_running"],
+            b["num_requests_waiting"],
+            b["kv_cache_usage_perc"],
+        )
         self.h_ttft, self.h_itl = b["time_to_first_token_seconds"], b["inter_token_latency_seconds"]
         self.h_iteration, self.h_num_preemptions = b["iteration_tokens_total"], b["request_num_preemptions"]
         self.h_request = {k: b[k] for k in _REQUEST_HISTOGRAMS}
@@ -161,9 +170,11 @@ class PrometheusClientSubscriber:
             for metric in self.registry.collect():
                 for s in metric.samples:
                     if s.name == self._families[key]._name + suffix and (
-                            labels is None or all(s.labels.get(k) == v for k, v in labels.items())):
+                        labels is None or all(s.labels.get(k) == v for k, v in labels.items())
+                    ):
                         total += s.value
             return total
+
         return {
             "finished": value("request_success", "_total"),
             "preemptions": value("num_preemptions", "_total"),
@@ -178,8 +189,18 @@ class PrometheusClientSubscriber:
         }
 
 
-_REQUEST_HISTOGRAMS = tuple(m.key for m in METRICS if m.kind == "histogram" and m.key not in (
-    "request_num_preemptions", "time_to_first_token_seconds", "inter_token_latency_seconds", "iteration_tokens_total"))
+_REQUEST_HISTOGRAMS = tuple(
+    m.key
+    for m in METRICS
+    if m.kind == "histogram"
+    and m.key
+    not in (
+        "request_num_preemptions",
+        "time_to_first_token_seconds",
+        "inter_token_latency_seconds",
+        "iteration_tokens_total",
+    )
+)
 
 
 # --------------------------------------------------------------------------- OTel subscribers
@@ -238,6 +259,7 @@ class OtelSubscriber:
 
         def total(key: str, attr: str = "value") -> float:
             return float(sum(getattr(p, attr) for p in points.get(BY_KEY[key].name("vllm"), [])))
+
         return {
             "finished": total("request_success"),
             "preemptions": total("num_preemptions"),
@@ -253,12 +275,14 @@ class OtelSubscriber:
 
     def collect_points(self) -> int:
         data = self.reader.get_metrics_data()
-        return sum(len(m.data.data_points) for rm in data.resource_metrics for sm in rm.scope_metrics
-                   for m in sm.metrics)
+        return sum(
+            len(m.data.data_points) for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
+        )
 
 
-def otel_subscriber(config: TelemetryConfig, *, metric_path: str = "auto", span_path: str = "auto",
-                    span_processor: str = "batch") -> OtelSubscriber:
+def otel_subscriber(
+    config: TelemetryConfig, *, metric_path: str = "auto", span_path: str = "auto", span_processor: str = "batch"
+) -> OtelSubscriber:
     """EngineTelemetry on a fresh MeterProvider(views=otel_llm.views(config)) + InMemoryMetricReader;
     with log events on, a LoggerProvider with a BatchLogRecordProcessor to a null exporter."""
     from opentelemetry.sdk.metrics import MeterProvider
@@ -273,8 +297,11 @@ def otel_subscriber(config: TelemetryConfig, *, metric_path: str = "auto", span_
     tp = None
     if config.spans:
         tp = TracerProvider()
-        processor = (BatchSpanProcessor(_NullSpanExporter(), max_queue_size=65536) if span_processor == "batch"
-                     else SimpleSpanProcessor(_NullSpanExporter()))
+        processor = (
+            BatchSpanProcessor(_NullSpanExporter(), max_queue_size=65536)
+            if span_processor == "batch"
+            else SimpleSpanProcessor(_NullSpanExporter())
+        )
         tp.add_span_processor(processor)
     lp = None
     if config.log_events:
@@ -283,8 +310,9 @@ def otel_subscriber(config: TelemetryConfig, *, metric_path: str = "auto", span_
 
         lp = LoggerProvider(shutdown_on_exit=False)
         lp.add_log_record_processor(BatchLogRecordProcessor(_NullLogExporter(), max_queue_size=65536))
-    telemetry = otel_llm.EngineTelemetry(config, meter_provider=mp, tracer_provider=tp, logger_provider=lp,
-                                         metric_path=metric_path, span_path=span_path)
+    telemetry = otel_llm.EngineTelemetry(
+        config, meter_provider=mp, tracer_provider=tp, logger_provider=lp, metric_path=metric_path, span_path=span_path
+    )
     return OtelSubscriber(telemetry, mp, reader, tp, lp)
 
 

@@ -28,8 +28,9 @@ from otel_llm.testing.cost import TimedHooks
 
 from .common import env, median, otlp_receiver, ratio
 
-ENGINE: dict[str, Any] = dict(num_kv_blocks=64, block_size=16, max_num_seqs=32, max_num_batched_tokens=256, seed=0,
-              load_plugins=False)
+ENGINE: dict[str, Any] = dict(
+    num_kv_blocks=64, block_size=16, max_num_seqs=32, max_num_batched_tokens=256, seed=0, load_plugins=False
+)
 
 
 class _Runner:
@@ -69,19 +70,27 @@ def _lockstep(requests: list, endpoint: str, interval_ms: int) -> dict[str, dict
         engine = Engine(EngineConfig(**ENGINE))
         if kind == "floor":
             from .subscribers import CountingSubscriber
+
             hooks[kind] = TimedHooks(CountingSubscriber())
             engine.hooks.subscribe(hooks[kind])
         elif kind != "off":
             full = kind.startswith("full")
-            config = TelemetryConfig(model_name="bench", engine=kind, spans=full,
-                                     metrics_exporters=("otlp",),
-                                     traces_exporters=("otlp",) if full else ("none",),
-                                     metric_export_interval_ms=interval_ms,
-                                     defer_steps=1 if kind.endswith("+each_step") else None)
+            config = TelemetryConfig(
+                model_name="bench",
+                engine=kind,
+                spans=full,
+                metrics_exporters=("otlp",),
+                traces_exporters=("otlp",) if full else ("none",),
+                metric_export_interval_ms=interval_ms,
+                defer_steps=1 if kind.endswith("+each_step") else None,
+            )
             sampled = kind.endswith("+sampled10")
-            with env(OTEL_EXPORTER_OTLP_ENDPOINT=endpoint, OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
-                     OTEL_TRACES_SAMPLER="parentbased_traceidratio" if sampled else None,
-                     OTEL_TRACES_SAMPLER_ARG="0.1" if sampled else None):
+            with env(
+                OTEL_EXPORTER_OTLP_ENDPOINT=endpoint,
+                OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
+                OTEL_TRACES_SAMPLER="parentbased_traceidratio" if sampled else None,
+                OTEL_TRACES_SAMPLER_ARG="0.1" if sampled else None,
+            ):
                 handle = setup_telemetry(config)
             handles.append(handle)
             hooks[kind] = TimedHooks(handle.telemetry)
@@ -103,11 +112,15 @@ def _lockstep(requests: list, endpoint: str, interval_ms: int) -> dict[str, dict
     out = {}
     for kind, r in runners.items():
         tokens = sum(len(o.token_ids) for o in r.outputs)
-        out[kind] = {"tokens_per_s": tokens / (r.ns / 1e9), "tokens": tokens, "steps": r.steps,
-                     "preemptions": sum(o.num_preemptions for o in r.outputs),
-                     "hooks_share": hooks[kind].ns / r.ns if kind in hooks else 0.0,
-                     "hooks_us_per_step": hooks[kind].ns / 1e3 / r.steps if kind in hooks else 0.0,
-                     "flush_s": flush.get(kind, 0.0)}
+        out[kind] = {
+            "tokens_per_s": tokens / (r.ns / 1e9),
+            "tokens": tokens,
+            "steps": r.steps,
+            "preemptions": sum(o.num_preemptions for o in r.outputs),
+            "hooks_share": hooks[kind].ns / r.ns if kind in hooks else 0.0,
+            "hooks_us_per_step": hooks[kind].ns / 1e3 / r.steps if kind in hooks else 0.0,
+            "flush_s": flush.get(kind, 0.0),
+        }
     return out
 
 
@@ -141,6 +154,7 @@ def breakdown(requests: list) -> dict[str, Any]:
                     return fn(*args, **kwargs)
                 finally:
                     times.setdefault(label, []).append(time.perf_counter_ns() - t0)
+
             return wrapper
 
         m = tel.metrics
@@ -166,9 +180,15 @@ def breakdown(requests: list) -> dict[str, Any]:
         out["spans_on" if spans else "metrics_only"] = {
             "time_in_hooks_ms": hooks.ns / 1e6,
             "engine_ms": runner.ns / 1e6,
-            "methods": {label: {"calls": len(v), "median_us": statistics.median(v) / 1e3,
-                                "total_ms": sum(v) / 1e6, "share_of_hooks": sum(v) / hooks.ns}
-                        for label, v in times.items()},
+            "methods": {
+                label: {
+                    "calls": len(v),
+                    "median_us": statistics.median(v) / 1e3,
+                    "total_ms": sum(v) / 1e6,
+                    "share_of_hooks": sum(v) / hooks.ns,
+                }
+                for label, v in times.items()
+            },
         }
     return out
 
@@ -179,8 +199,9 @@ KINDS = ("off", "floor", "metrics", "full", "metrics+each_step", "full+each_step
 def run(tiny: bool, reps: int) -> dict[str, Any]:
     num_requests = 30 if tiny else 160
     config = EngineConfig(**ENGINE)
-    requests = generate(WorkloadSpec(num_requests=num_requests, rate=50.0, seed=0),
-                        config.num_kv_blocks * config.block_size)
+    requests = generate(
+        WorkloadSpec(num_requests=num_requests, rate=50.0, seed=0), config.num_kv_blocks * config.block_size
+    )
     interval_ms = 1000
     with otlp_receiver() as receiver:
         _lockstep(requests[: max(5, num_requests // 10)], receiver["grpc"], interval_ms)  # warm-up
@@ -192,8 +213,8 @@ def run(tiny: bool, reps: int) -> dict[str, Any]:
     first = runs[0]
     out = {
         "method": "lockstep: the three engines (same seed and workload, so the same schedule) are stepped "
-                  "in turn, order rotated every step, each step timed on its own; tokens/s = output tokens / "
-                  "summed step time. Background threads (exporters) run whenever they get the GIL.",
+        "in turn, order rotated every step, each step timed on its own; tokens/s = output tokens / "
+        "summed step time. Background threads (exporters) run whenever they get the GIL.",
         "receiver": receiver["kind"],
         "engine": ENGINE,
         "requests": num_requests,
@@ -209,8 +230,11 @@ def run(tiny: bool, reps: int) -> dict[str, Any]:
         "time_in_hooks_share": {k: median([r[k]["hooks_share"] for r in runs]) for k in KINDS[1:]},
         "time_in_hooks_us_per_step": {k: median([r[k]["hooks_us_per_step"] for r in runs]) for k in KINDS[1:]},
         "shutdown_flush_s": {k: median([r[k]["flush_s"] for r in runs]) for k in KINDS[1:]},
-        "same_schedule": all(r[k]["tokens"] == first["off"]["tokens"] and r[k]["steps"] == first["off"]["steps"]
-                             for r in runs for k in KINDS),
+        "same_schedule": all(
+            r[k]["tokens"] == first["off"]["tokens"] and r[k]["steps"] == first["off"]["steps"]
+            for r in runs
+            for k in KINDS
+        ),
     }
     out["in_engine_breakdown"] = where
     # Judged on the paired ratio: in lockstep, the variants of one repetition share the machine's

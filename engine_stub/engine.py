@@ -44,9 +44,7 @@ class Engine:
             torch.set_num_threads(config.num_threads)
         self.model = TinyTransformer(config.model, seed=config.seed)
         self.kv_cache = KVCache(config.num_kv_blocks, config.block_size, config.model)
-        self.scheduler = Scheduler(
-            self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens
-        )
+        self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens)
         self.hooks = HookBus()
         self._requests: dict[str, Request] = {}
         self._pending_events: list[RequestEvent] = []  # published with the next step's batch
@@ -178,10 +176,7 @@ class Engine:
                 )
                 for request, lost in sched.preempted
             )
-            events.extend(
-                RequestEvent(EventType.SCHEDULED, request.request_id, now)
-                for request in sched.started
-            )
+            events.extend(RequestEvent(EventType.SCHEDULED, request.request_id, now) for request in sched.started)
 
         if sched.scheduled:
             sampled = self._execute(sched)
@@ -191,9 +186,7 @@ class Engine:
                 if emit:
                     if request.num_output_tokens == 1:
                         events.append(RequestEvent(EventType.FIRST_TOKEN, request.request_id, now))
-                    events.append(
-                        RequestEvent(EventType.TOKENS, request.request_id, now, num_tokens=1)
-                    )
+                    events.append(RequestEvent(EventType.TOKENS, request.request_id, now, num_tokens=1))
                 reason = None
                 if token in request.stop_token_ids:
                     reason = "stop"
@@ -204,11 +197,7 @@ class Engine:
                     del self._requests[request.request_id]
                     finished.append(self._output(request))
                     if emit:
-                        events.append(
-                            RequestEvent(
-                                EventType.FINISHED, request.request_id, now, finish_reason=reason
-                            )
-                        )
+                        events.append(RequestEvent(EventType.FINISHED, request.request_id, now, finish_reason=reason))
 
         if emit:
             if events:

@@ -83,13 +83,9 @@ class Block(nn.Module):
         self.qkv = nn.Linear(d, 3 * d, bias=False)
         self.out = nn.Linear(d, d, bias=False)
         self.norm2 = nn.LayerNorm(d)
-        self.mlp = nn.Sequential(
-            nn.Linear(d, config.mlp_ratio * d), nn.GELU(), nn.Linear(config.mlp_ratio * d, d)
-        )
+        self.mlp = nn.Sequential(nn.Linear(d, config.mlp_ratio * d), nn.GELU(), nn.Linear(config.mlp_ratio * d, d))
 
-    def forward(
-        self, x: Tensor, batch: BatchInput, key_cache: Tensor, value_cache: Tensor
-    ) -> Tensor:
+    def forward(self, x: Tensor, batch: BatchInput, key_cache: Tensor, value_cache: Tensor) -> Tensor:
         n = x.shape[0]
         q, k, v = self.qkv(self.norm1(x)).view(n, 3, self.num_heads, self.head_dim).unbind(1)
         # Write first: a query attends to its own key and to those of earlier tokens in its chunk.
@@ -135,9 +131,7 @@ class TinyTransformer(nn.Module):
         angles = positions[:, None].float() * freqs[None, :]
         return torch.cat([angles.sin(), angles.cos()], dim=-1)
 
-    def forward(
-        self, batch: BatchInput, key_cache: Tensor, value_cache: Tensor
-    ) -> Tensor:
+    def forward(self, batch: BatchInput, key_cache: Tensor, value_cache: Tensor) -> Tensor:
         """Logits [len(sample_rows), VOCAB_SIZE]; key_cache/value_cache: [layers, slots, H, D]."""
         x = self.embed(batch.token_ids) + self.positional_encoding(batch.positions)
         for layer, block in enumerate(self.blocks):

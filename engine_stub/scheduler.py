@@ -31,8 +31,7 @@ class Scheduler:
     def __init__(self, kv_cache: KVCache, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(
-                f"max_num_seqs ({max_num_seqs}) and max_num_batched_tokens "
-                f"({max_num_batched_tokens}) must be >= 1"
+                f"max_num_seqs ({max_num_seqs}) and max_num_batched_tokens ({max_num_batched_tokens}) must be >= 1"
             )
         self.kv_cache = kv_cache
         self.max_num_seqs = max_num_seqs

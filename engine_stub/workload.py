@@ -48,9 +48,7 @@ def generate(spec: WorkloadSpec, max_sequence_tokens: int) -> list[WorkloadReque
     for i in range(spec.num_requests):
         clock += rng.expovariate(spec.rate)
         prompt_len = _lognormal(rng, spec.prompt_median, spec.prompt_sigma, max_sequence_tokens // 2)
-        max_tokens = _lognormal(
-            rng, spec.output_median, spec.output_sigma, max_sequence_tokens + 1 - prompt_len
-        )
+        max_tokens = _lognormal(rng, spec.output_median, spec.output_sigma, max_sequence_tokens + 1 - prompt_len)
         requests.append(WorkloadRequest(f"req-{i:05d}", clock, _text(rng, prompt_len), max_tokens))
     return requests
 

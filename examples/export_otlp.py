@@ -1,7 +1,8 @@
 """Export to the OTLP endpoint given by the standard variables, then flush and exit.
 
-    OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:4317 python examples/export_otlp.py
-    OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:4318 python examples/export_otlp.py
+OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:4317 python examples/export_otlp.py
+OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:4318 \\
+    python examples/export_otlp.py
 """
 
 import time
@@ -17,8 +18,10 @@ for i, preemptions in enumerate((0, 1, 3)):
     rid = f"otlp-{i}"
     events = [RequestEvent(E.ARRIVED, rid, t, prompt_tokens=8, max_tokens=4), RequestEvent(E.SCHEDULED, rid, t)]
     for _ in range(preemptions):
-        events += [RequestEvent(E.PREEMPTED, rid, t, num_computed_tokens=8, reason="kv_cache_full"),
-                   RequestEvent(E.SCHEDULED, rid, t)]
+        events += [
+            RequestEvent(E.PREEMPTED, rid, t, num_computed_tokens=8, reason="kv_cache_full"),
+            RequestEvent(E.SCHEDULED, rid, t),
+        ]
     events += [RequestEvent(E.TOKENS, rid, t, num_tokens=1), RequestEvent(E.FINISHED, rid, t, finish_reason="stop")]
     handle.telemetry.on_events(events)
 ok = handle.force_flush()

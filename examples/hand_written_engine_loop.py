@@ -32,8 +32,10 @@ class Request:
 
 bus = HookBus()
 reader = InMemoryMetricReader()
-handle = setup_telemetry(TelemetryConfig(model_name="toy", metrics_exporters=("none",), traces_exporters=("none",)),
-                         extra_metric_readers=[reader])
+handle = setup_telemetry(
+    TelemetryConfig(model_name="toy", metrics_exporters=("none",), traces_exporters=("none",)),
+    extra_metric_readers=[reader],
+)
 bus.subscribe(handle.telemetry)
 
 waiting: deque[Request] = deque()
@@ -42,8 +44,10 @@ batch: list[RequestEvent] = []
 now = time.monotonic()
 for i, output in enumerate((3, 9, 14, 5, 11)):
     waiting.append(Request(f"r{i}", 2, output))
-    batch += [RequestEvent(E.ARRIVED, f"r{i}", now, prompt_tokens=2, max_tokens=output),
-              RequestEvent(E.QUEUED, f"r{i}", now)]
+    batch += [
+        RequestEvent(E.ARRIVED, f"r{i}", now, prompt_tokens=2, max_tokens=output),
+        RequestEvent(E.QUEUED, f"r{i}", now),
+    ]
 
 preemptions = 0
 while waiting or running:
@@ -56,8 +60,9 @@ while waiting or running:
             continue
         while sum(blocks(r.tokens) for r in running) - blocks(req.tokens) + blocks(req.tokens + 1) > NUM_BLOCKS:
             victim = running.pop()
-            batch.append(RequestEvent(E.PREEMPTED, victim.rid, now, num_computed_tokens=victim.tokens,
-                                      reason="kv_cache_full"))
+            batch.append(
+                RequestEvent(E.PREEMPTED, victim.rid, now, num_computed_tokens=victim.tokens, reason="kv_cache_full")
+            )
             waiting.appendleft(victim)
             preemptions += 1
             if victim is req:
@@ -69,12 +74,15 @@ while waiting or running:
                 running.remove(req)
                 batch.append(RequestEvent(E.FINISHED, req.rid, now, finish_reason="length"))
     bus.publish(batch)
-    bus.publish_step(StepStats(now, len(running), len(waiting),
-                               sum(blocks(r.tokens) for r in running) / NUM_BLOCKS))
+    bus.publish_step(StepStats(now, len(running), len(waiting), sum(blocks(r.tokens) for r in running) / NUM_BLOCKS))
     batch = []
 
-points = {m.name: m.data.data_points[0] for rm in reader.get_metrics_data().resource_metrics
-          for sm in rm.scope_metrics for m in sm.metrics}
+points = {
+    m.name: m.data.data_points[0]
+    for rm in reader.get_metrics_data().resource_metrics
+    for sm in rm.scope_metrics
+    for m in sm.metrics
+}
 hist = points["vllm:request_num_preemptions"]
 print(f"engine preemptions: {preemptions}")
 print(f"vllm:num_preemptions: {points['vllm:num_preemptions'].value}")

@@ -19,8 +19,9 @@ def otel_llm_config() -> TelemetryConfig:
 
 def run_engine(telemetry, num_kv_blocks: int = 24) -> list:
     """24 requests on an engine whose KV cache holds a fraction of them: some are preempted."""
-    engine = Engine(EngineConfig(num_kv_blocks=num_kv_blocks, max_num_seqs=16, max_num_batched_tokens=128,
-                                 load_plugins=False))
+    engine = Engine(
+        EngineConfig(num_kv_blocks=num_kv_blocks, max_num_seqs=16, max_num_batched_tokens=128, load_plugins=False)
+    )
     engine.hooks.subscribe(telemetry)
     for i in range(24):
         engine.add_request(f"req-{i}", "the quick brown fox " * 4, max_tokens=48)

@@ -203,8 +203,12 @@ class CountingMetricExporter(MetricExporter):
                 _log.warning("otel_llm: metric export raised", exc_info=True)
                 result = MetricExportResult.FAILURE
             self._backoff.result(result is MetricExportResult.SUCCESS)
-        points = sum(len(m.data.data_points) for rm in metrics_data.resource_metrics for sm in rm.scope_metrics
-                     for m in sm.metrics)
+        points = sum(
+            len(m.data.data_points)
+            for rm in metrics_data.resource_metrics
+            for sm in rm.scope_metrics
+            for m in sm.metrics
+        )
         if result is MetricExportResult.SUCCESS:
             self._accounting.delivered("metric_points", points)
         else:

@@ -20,7 +20,8 @@ provider can still read its explicit buckets.
 
 This relies on SDK internals (``Aggregation._create_aggregation``, the histogram aggregation
 classes, the exponential mapping), all in :mod:`otel_llm._sdk` with their contract checks; where
-they do not hold, the telemetry records through the SDK's instruments instead. The same Aggregation applied to a *synchronous* histogram behaves exactly like
+they do not hold, the telemetry records through the SDK's instruments instead. The same
+Aggregation applied to a *synchronous* histogram behaves exactly like
 ``ExplicitBucketHistogramAggregation``: that is how the straightforward path shares the Views.
 """
 
@@ -222,8 +223,11 @@ class InProcessHistogram(Aggregation):
     def __init__(self, boundaries: Sequence[float], exponential: bool = False) -> None:
         self._boundaries = tuple(boundaries)
         self.exponential = exponential
-        self._standard = (ExponentialBucketHistogramAggregation() if exponential
-                          else ExplicitBucketHistogramAggregation(boundaries=self._boundaries))
+        self._standard = (
+            ExponentialBucketHistogramAggregation()
+            if exponential
+            else ExplicitBucketHistogramAggregation(boundaries=self._boundaries)
+        )
 
     @property
     def boundaries(self) -> tuple[float, ...]:
@@ -272,10 +276,20 @@ class _CellAggregation(sdk_aggregation.ExplicitBucketHistogramAggregation):  # t
     the points as a ``Histogram`` for every exporter.
     """
 
-    def __init__(self, attributes: Attributes, start_time_unix_nano: int, reservoir_factory: Callable[..., Any],
-                 boundaries: tuple[float, ...]) -> None:
-        super().__init__(attributes, AggregationTemporality.CUMULATIVE, start_time_unix_nano,
-                         reservoir_factory(sdk_aggregation.ExplicitBucketHistogramAggregation), boundaries)
+    def __init__(
+        self,
+        attributes: Attributes,
+        start_time_unix_nano: int,
+        reservoir_factory: Callable[..., Any],
+        boundaries: tuple[float, ...],
+    ) -> None:
+        super().__init__(
+            attributes,
+            AggregationTemporality.CUMULATIVE,
+            start_time_unix_nano,
+            reservoir_factory(sdk_aggregation.ExplicitBucketHistogramAggregation),
+            boundaries,
+        )
         self._cell: Optional[HistogramCell] = None
         self._last_counts: Optional[list[int]] = None  # at the previous collect (delta)
         self._last_sum: float = 0
@@ -286,8 +300,9 @@ class _CellAggregation(sdk_aggregation.ExplicitBucketHistogramAggregation):  # t
     def aggregate(self, measurement: Any, should_sample_exemplar: bool = True) -> None:
         _bind(self, measurement)
 
-    def collect(self, collection_aggregation_temporality: AggregationTemporality,
-                collection_start_nano: int) -> Optional[HistogramDataPoint]:
+    def collect(
+        self, collection_aggregation_temporality: AggregationTemporality, collection_start_nano: int
+    ) -> Optional[HistogramDataPoint]:
         cell = self._cell
         if cell is None:
             return None
@@ -314,8 +329,9 @@ class _CellAggregation(sdk_aggregation.ExplicitBucketHistogramAggregation):  # t
         # (the metric hub yields only cells that have observations).
         return self._point(exemplars, self._start_time_unix_nano, collection_start_nano, counts, total, cmin, cmax)
 
-    def _point(self, exemplars: list[Exemplar], start: int, now: int, counts: list[int], total: float,
-               vmin: float, vmax: float) -> HistogramDataPoint:
+    def _point(
+        self, exemplars: list[Exemplar], start: int, now: int, counts: list[int], total: float, vmin: float, vmax: float
+    ) -> HistogramDataPoint:
         return HistogramDataPoint(
             attributes=self._attributes,
             exemplars=exemplars,
@@ -343,10 +359,15 @@ class _ExponentialCellAggregation(sdk_aggregation.ExponentialBucketHistogramAggr
     points as an ``ExponentialHistogram`` for every exporter.
     """
 
-    def __init__(self, attributes: Attributes, start_time_unix_nano: int,
-                 reservoir_factory: Callable[..., Any]) -> None:
-        super().__init__(attributes, reservoir_factory(sdk_aggregation.ExponentialBucketHistogramAggregation),
-                         AggregationTemporality.CUMULATIVE, start_time_unix_nano)
+    def __init__(
+        self, attributes: Attributes, start_time_unix_nano: int, reservoir_factory: Callable[..., Any]
+    ) -> None:
+        super().__init__(
+            attributes,
+            reservoir_factory(sdk_aggregation.ExponentialBucketHistogramAggregation),
+            AggregationTemporality.CUMULATIVE,
+            start_time_unix_nano,
+        )
         self._cell: Optional[HistogramCell] = None
         self._last_seq = 0
         self._last_count = 0
@@ -359,8 +380,9 @@ class _ExponentialCellAggregation(sdk_aggregation.ExponentialBucketHistogramAggr
     def aggregate(self, measurement: Any, should_sample_exemplar: bool = True) -> None:
         _bind(self, measurement)
 
-    def collect(self, collection_aggregation_temporality: AggregationTemporality,
-                collection_start_nano: int) -> Optional[ExponentialHistogramDataPoint]:
+    def collect(
+        self, collection_aggregation_temporality: AggregationTemporality, collection_start_nano: int
+    ) -> Optional[ExponentialHistogramDataPoint]:
         cell = self._cell
         if not isinstance(cell, ExponentialHistogramCell):
             return None
@@ -389,8 +411,19 @@ class _ExponentialCellAggregation(sdk_aggregation.ExponentialBucketHistogramAggr
                 return None
             if count == zero:
                 scale = 0
-            return self._point(exemplars, start, collection_start_nano, count, point_sum, scale, zero, positive,
-                               negative, window_min, window_max)
+            return self._point(
+                exemplars,
+                start,
+                collection_start_nano,
+                count,
+                point_sum,
+                scale,
+                zero,
+                positive,
+                negative,
+                window_min,
+                window_max,
+            )
         buckets = cell.exponential
         scale, positive, negative = buckets.state
         zero = buckets.zero
@@ -402,13 +435,46 @@ class _ExponentialCellAggregation(sdk_aggregation.ExponentialBucketHistogramAggr
         if scale > self._max_scale:
             change = scale - self._max_scale
             scale, positive, negative = self._max_scale, _downscale(positive, change), _downscale(negative, change)
-        return self._point(exemplars, self._start_time_unix_nano, collection_start_nano, count, total, scale, zero,
-                           positive, negative, cmin, cmax)
+        return self._point(
+            exemplars,
+            self._start_time_unix_nano,
+            collection_start_nano,
+            count,
+            total,
+            scale,
+            zero,
+            positive,
+            negative,
+            cmin,
+            cmax,
+        )
 
-    def _point(self, exemplars: list[Exemplar], start: int, now: int, count: int, total: float, scale: int,
-               zero: int, positive: dict[int, int], negative: dict[int, int], vmin: float,
-               vmax: float) -> ExponentialHistogramDataPoint:
+    def _point(
+        self,
+        exemplars: list[Exemplar],
+        start: int,
+        now: int,
+        count: int,
+        total: float,
+        scale: int,
+        zero: int,
+        positive: dict[int, int],
+        negative: dict[int, int],
+        vmin: float,
+        vmax: float,
+    ) -> ExponentialHistogramDataPoint:
         return ExponentialHistogramDataPoint(
-            attributes=self._attributes, exemplars=exemplars, start_time_unix_nano=start, time_unix_nano=now,
-            count=count, sum=total, scale=scale, zero_count=zero, positive=_buckets_point(positive),
-            negative=_buckets_point(negative), flags=0, min=vmin, max=vmax)
+            attributes=self._attributes,
+            exemplars=exemplars,
+            start_time_unix_nano=start,
+            time_unix_nano=now,
+            count=count,
+            sum=total,
+            scale=scale,
+            zero_count=zero,
+            positive=_buckets_point(positive),
+            negative=_buckets_point(negative),
+            flags=0,
+            min=vmin,
+            max=vmax,
+        )

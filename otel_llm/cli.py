@@ -58,8 +58,9 @@ class Progress:
         self._step = 0  # 10% steps already written (lines without line_every)
 
     def __call__(self, engine: Any, finished: int) -> None:
-        self.show(finished, engine.num_running, engine.num_waiting, engine.kv_cache.usage,
-                  engine.scheduler.num_preemptions)
+        self.show(
+            finished, engine.num_running, engine.num_waiting, engine.kv_cache.usage, engine.scheduler.num_preemptions
+        )
 
     def _line(self, finished: int, running: int, waiting: int, kv_usage: float, preemptions: int) -> str:
         filled = BAR_WIDTH * finished // max(self.total, 1)
@@ -244,7 +245,9 @@ class PreemptionHistogram:
     def from_scrape(cls, samples: Mapping[tuple[str, frozenset], float], name: str) -> "PreemptionHistogram":
         """From a scrape of one series (``{(sample name, labels): value}``); its buckets are cumulative."""
         cumulative = sorted(
-            (float(dict(labels)["le"]), value) for (sample, labels), value in samples.items() if sample == f"{name}_bucket"
+            (float(dict(labels)["le"]), value)
+            for (sample, labels), value in samples.items()
+            if sample == f"{name}_bucket"
         )
         [count] = [v for (sample, _), v in samples.items() if sample == f"{name}_count"]
         [total] = [v for (sample, _), v in samples.items() if sample == f"{name}_sum"]
@@ -293,15 +296,17 @@ def print_summary(
         f"otel-llm demo: engine_stub, {c.num_kv_blocks} KV blocks x {c.block_size} tokens, "
         f"max {c.max_num_seqs} seqs, {c.max_num_batched_tokens} tokens/step, seed {c.seed}"
     )
-    print_fields([
-        ("requests", histogram.count),
-        ("output tokens", result.num_output_tokens),
-        ("wall time", f"{result.elapsed:.1f} s"),
-        ("tokens/s", f"{result.tokens_per_second:.0f}"),
-        ("preemptions", int(histogram.sum)),
-        ("thrashing", f"{sum(n >= THRASHING for n in ground_truth)} requests with {THRASHING}+ preemptions"),
-        ("ground truth", "telemetry equals the engine" if agrees else "MISMATCH with the engine"),
-    ])
+    print_fields(
+        [
+            ("requests", histogram.count),
+            ("output tokens", result.num_output_tokens),
+            ("wall time", f"{result.elapsed:.1f} s"),
+            ("tokens/s", f"{result.tokens_per_second:.0f}"),
+            ("preemptions", int(histogram.sum)),
+            ("thrashing", f"{sum(n >= THRASHING for n in ground_truth)} requests with {THRASHING}+ preemptions"),
+            ("ground truth", "telemetry equals the engine" if agrees else "MISMATCH with the engine"),
+        ]
+    )
     print()
     labels = print_chart(histogram_name, histogram)
     print()
@@ -355,18 +360,20 @@ class Parity:
     only_ours: int
 
     @classmethod
-    def of(cls, ours: Mapping[tuple[str, frozenset], float],
-           vllm: Mapping[tuple[str, frozenset], float]) -> "Parity":
+    def of(cls, ours: Mapping[tuple[str, frozenset], float], vllm: Mapping[tuple[str, frozenset], float]) -> "Parity":
         shared = [key for key in ours if key[0].startswith("vllm:") and key in vllm]
         differing = {key: (ours[key], vllm[key]) for key in shared if ours[key] != vllm[key]}
         only_ours = sum(1 for key in ours if key[0].startswith("vllm:") and key not in vllm)
         return cls(len(shared), differing, only_ours)
 
     def line(self) -> str:
-        verdict = "equals vLLM's own /metrics" if self.compared and not self.differing else \
-            "DIFFERS from vLLM's own /metrics"
-        return (f"{verdict}: {self.compared} series compared, {self.compared - len(self.differing)} equal, "
-                f"{len(self.differing)} differing ({self.only_ours} only ours)")
+        verdict = (
+            "equals vLLM's own /metrics" if self.compared and not self.differing else "DIFFERS from vLLM's own /metrics"
+        )
+        return (
+            f"{verdict}: {self.compared} series compared, {self.compared - len(self.differing)} equal, "
+            f"{len(self.differing)} differing ({self.only_ours} only ours)"
+        )
 
 
 def _sum_of(samples: Mapping[tuple[str, frozenset], float], name: str) -> float:
@@ -405,9 +412,13 @@ def _load_with_progress(server: Any, load: Any, show: bool) -> tuple[list[Any], 
         thread.join(1.0)
         if progress is not None:
             s = scrape(url)
-            progress.show(int(_sum_of(s, "vllm:request_success_total") - done_before),
-                          int(_sum_of(s, "vllm:num_requests_running")), int(_sum_of(s, "vllm:num_requests_waiting")),
-                          _sum_of(s, "vllm:kv_cache_usage_perc"), int(_sum_of(s, "vllm:num_preemptions_total")))
+            progress.show(
+                int(_sum_of(s, "vllm:request_success_total") - done_before),
+                int(_sum_of(s, "vllm:num_requests_running")),
+                int(_sum_of(s, "vllm:num_requests_waiting")),
+                _sum_of(s, "vllm:kv_cache_usage_perc"),
+                int(_sum_of(s, "vllm:num_preemptions_total")),
+            )
     elapsed = time.monotonic() - start
     if progress is not None:
         progress.close()
@@ -431,8 +442,10 @@ def demo_vllm(args: argparse.Namespace) -> int:
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
-        print(f"otel-llm demo-vllm: vLLM is not installed in this environment ({sys.executable}); {VLLM_MISSING}",
-              file=sys.stderr)
+        print(
+            f"otel-llm demo-vllm: vLLM is not installed in this environment ({sys.executable}); {VLLM_MISSING}",
+            file=sys.stderr,
+        )
         return 2
     import tempfile
     from importlib.metadata import PackageNotFoundError, version
@@ -452,13 +465,17 @@ def demo_vllm(args: argparse.Namespace) -> int:
         if model is None:
             print("making a tiny Llama with random weights ...", file=sys.stderr, flush=True)
             model = make_tiny_llama(Path(tmp) / "tiny-llama", seed=args.seed)
-        server = VllmServer(model, env={
-            "OTEL_LLM_VLLM_DEEP_HOOK": "1",
-            "OTEL_TRACES_EXPORTER": "otlp",
-            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": receiver.endpoint,
-            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc",
-            "OTEL_BSP_SCHEDULE_DELAY": "200",
-        }, log_path=Path(tmp) / "vllm.log")
+        server = VllmServer(
+            model,
+            env={
+                "OTEL_LLM_VLLM_DEEP_HOOK": "1",
+                "OTEL_TRACES_EXPORTER": "otlp",
+                "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": receiver.endpoint,
+                "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc",
+                "OTEL_BSP_SCHEDULE_DELAY": "200",
+            },
+            log_path=Path(tmp) / "vllm.log",
+        )
         waiting = Waiting(f"starting vLLM {vllm_version} on the CPU with the plugin") if not args.no_progress else None
         try:
             server.start(timeout_s=args.start_timeout, progress=waiting)
@@ -472,17 +489,22 @@ def demo_vllm(args: argparse.Namespace) -> int:
             from .integrations.vllm_server import scrape
 
             finished = _wait_until(
-                lambda: _sum_of(scrape(server.metrics_url), f"{histogram_name}_count") >= load.requests, 60.0)
+                lambda: _sum_of(scrape(server.metrics_url), f"{histogram_name}_count") >= load.requests, 60.0
+            )
             spans_in = receiver.wait_for(lambda r: len(r.named("llm_request")) >= load.requests, 60.0)
             ours, vllm = _settled_scrapes(server)
-            print_vllm_summary(args, load, vllm_version, KV_PRESSURE_ARGS, completions, elapsed, ours, vllm,
-                               receiver, traceparent)
+            print_vllm_summary(
+                args, load, vllm_version, KV_PRESSURE_ARGS, completions, elapsed, ours, vllm, receiver, traceparent
+            )
             if not (finished and spans_in):
                 print("otel-llm demo-vllm: not every request reached the telemetry within 60 s", file=sys.stderr)
                 return 1
             if args.keep > 0:
-                print(f"serving vLLM at {server.url} (its /metrics: {server.url}/metrics) and our endpoint "
-                      f"{server.metrics_url} for {args.keep:g} s (Ctrl-C to stop)", flush=True)
+                print(
+                    f"serving vLLM at {server.url} (its /metrics: {server.url}/metrics) and our endpoint "
+                    f"{server.metrics_url} for {args.keep:g} s (Ctrl-C to stop)",
+                    flush=True,
+                )
                 try:
                     threading.Event().wait(args.keep)
                 except KeyboardInterrupt:
@@ -527,25 +549,32 @@ def print_vllm_summary(
     counts = [count for count, _ in by_request.values()]
     tokens = sum(c.completion_tokens for c in completions)
     print(f"otel-llm demo-vllm: vLLM {vllm_version} (CPU) serving a tiny Llama, {' '.join(server_args)}")
-    print_fields([
-        ("load", f"{load.requests} requests, {min(load.concurrency, load.requests)} at a time, "
-                 f"{load.max_tokens} output tokens each, seed {load.seed}"),
-        ("requests", histogram.count),
-        ("output tokens", tokens),
-        ("wall time", f"{elapsed:.1f} s"),
-        ("tokens/s", f"{tokens / elapsed:.0f}"),
-        ("preemptions", int(histogram.sum)),
-        ("thrashing", f"{sum(n >= THRASHING for n in counts)} requests with {THRASHING}+ preemptions"),
-        ("vLLM parity", Parity.of(ours, vllm).line()),
-        ("traces", f"{len(by_request)} request spans received over OTLP, {children} of them children of "
-                   "the client's traceparent"),
-    ])
+    print_fields(
+        [
+            (
+                "load",
+                f"{load.requests} requests, {min(load.concurrency, load.requests)} at a time, "
+                f"{load.max_tokens} output tokens each, seed {load.seed}",
+            ),
+            ("requests", histogram.count),
+            ("output tokens", tokens),
+            ("wall time", f"{elapsed:.1f} s"),
+            ("tokens/s", f"{tokens / elapsed:.0f}"),
+            ("preemptions", int(histogram.sum)),
+            ("thrashing", f"{sum(n >= THRASHING for n in counts)} requests with {THRASHING}+ preemptions"),
+            ("vLLM parity", Parity.of(ours, vllm).line()),
+            (
+                "traces",
+                f"{len(by_request)} request spans received over OTLP, {children} of them children of "
+                "the client's traceparent",
+            ),
+        ]
+    )
     print()
     print_chart(histogram_name, histogram)
     print()
     print_worst(by_request, args.top)
     print(flush=True)
-
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -76,68 +76,136 @@ class TelemetryConfig:
     resource_attributes: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        _check(isinstance(self.model_name, str) and self.model_name != "", "model_name", self.model_name,
-               "must be a non-empty string")
+        _check(
+            isinstance(self.model_name, str) and self.model_name != "",
+            "model_name",
+            self.model_name,
+            "must be a non-empty string",
+        )
         _check(isinstance(self.engine, str), "engine", self.engine, "must be a string such as '0'")
         _check(self.naming in NAMING_PROFILES, "naming", self.naming, f"must be one of {NAMING_PROFILES}")
-        _check(isinstance(self.span_name, str) and self.span_name != "", "span_name", self.span_name,
-               "must be a non-empty string")
+        _check(
+            isinstance(self.span_name, str) and self.span_name != "",
+            "span_name",
+            self.span_name,
+            "must be a non-empty string",
+        )
         _check(self.span_kind in ("server", "internal"), "span_kind", self.span_kind, "must be server or internal")
-        _check(self.preemption_events in PREEMPTION_EVENTS, "preemption_events", self.preemption_events,
-               f"must be one of {PREEMPTION_EVENTS}")
-        _check(isinstance(self.provider_name, str) and self.provider_name.strip() != "", "provider_name",
-               self.provider_name, "must be a non-empty string")
+        _check(
+            self.preemption_events in PREEMPTION_EVENTS,
+            "preemption_events",
+            self.preemption_events,
+            f"must be one of {PREEMPTION_EVENTS}",
+        )
+        _check(
+            isinstance(self.provider_name, str) and self.provider_name.strip() != "",
+            "provider_name",
+            self.provider_name,
+            "must be a non-empty string",
+        )
         object.__setattr__(
             self, "preemption_buckets", buckets.validate_boundaries("preemption_buckets", self.preemption_buckets)
         )
-        _check(isinstance(self.histogram_buckets, Mapping), "histogram_buckets", self.histogram_buckets,
-               "must be a mapping of metric key to boundaries")
-        object.__setattr__(self, "histogram_buckets", {
-            key: buckets.validate_boundaries(f"histogram_buckets[{key!r}]", values)
-            for key, values in self.histogram_buckets.items()})
+        _check(
+            isinstance(self.histogram_buckets, Mapping),
+            "histogram_buckets",
+            self.histogram_buckets,
+            "must be a mapping of metric key to boundaries",
+        )
+        object.__setattr__(
+            self,
+            "histogram_buckets",
+            {
+                key: buckets.validate_boundaries(f"histogram_buckets[{key!r}]", values)
+                for key, values in self.histogram_buckets.items()
+            },
+        )
         for name in ("spans", "record_content"):  # a string such as "false" would be truthy
             _check(isinstance(getattr(self, name), bool), name, getattr(self, name), "must be True or False")
         if self.sdk_disabled is not None:
             _check(isinstance(self.sdk_disabled, bool), "sdk_disabled", self.sdk_disabled, "must be True or False")
-        _check(isinstance(self.resource_attributes, Mapping)
-               and all(isinstance(k, str) and isinstance(v, str) for k, v in self.resource_attributes.items()),
-               "resource_attributes", self.resource_attributes, "must be a mapping of str to str")
-        for name in ("max_model_len", "max_inflight_requests", "max_label_values", "content_max_length",
-                     "prometheus_ports"):
+        _check(
+            isinstance(self.resource_attributes, Mapping)
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in self.resource_attributes.items()),
+            "resource_attributes",
+            self.resource_attributes,
+            "must be a mapping of str to str",
+        )
+        for name in (
+            "max_model_len",
+            "max_inflight_requests",
+            "max_label_values",
+            "content_max_length",
+            "prometheus_ports",
+        ):
             value = getattr(self, name)
             _check(_is_int(value) and value >= 1, name, value, "must be an integer >= 1")
         if self.defer_steps is not None:
-            _check(_is_int(self.defer_steps) and self.defer_steps >= 1, "defer_steps", self.defer_steps,
-                   "must be an integer >= 1")
+            _check(
+                _is_int(self.defer_steps) and self.defer_steps >= 1,
+                "defer_steps",
+                self.defer_steps,
+                "must be an integer >= 1",
+            )
         if self.metrics_exporters is not None:
-            object.__setattr__(self, "metrics_exporters", _names("metrics_exporters", self.metrics_exporters,
-                                                                 METRICS_EXPORTERS))
+            object.__setattr__(
+                self, "metrics_exporters", _names("metrics_exporters", self.metrics_exporters, METRICS_EXPORTERS)
+            )
         if self.traces_exporters is not None:
-            object.__setattr__(self, "traces_exporters", _names("traces_exporters", self.traces_exporters,
-                                                                TRACES_EXPORTERS))
+            object.__setattr__(
+                self, "traces_exporters", _names("traces_exporters", self.traces_exporters, TRACES_EXPORTERS)
+            )
         if self.logs_exporters is not None:
             object.__setattr__(self, "logs_exporters", _names("logs_exporters", self.logs_exporters, LOGS_EXPORTERS))
         if self.prometheus_host is not None:
-            _check(isinstance(self.prometheus_host, str) and self.prometheus_host.strip() != "",
-                   "prometheus_host", self.prometheus_host, "must be a host name or address")
+            _check(
+                isinstance(self.prometheus_host, str) and self.prometheus_host.strip() != "",
+                "prometheus_host",
+                self.prometheus_host,
+                "must be a host name or address",
+            )
         if self.prometheus_port is not None:
-            _check(_is_int(self.prometheus_port) and 0 <= self.prometheus_port <= 65535, "prometheus_port",
-                   self.prometheus_port, "must be an integer 0..65535 (0 = any free port)")
+            _check(
+                _is_int(self.prometheus_port) and 0 <= self.prometheus_port <= 65535,
+                "prometheus_port",
+                self.prometheus_port,
+                "must be an integer 0..65535 (0 = any free port)",
+            )
         if self.otlp_protocol is not None:
-            _check(self.otlp_protocol in OTLP_PROTOCOLS, "otlp_protocol", self.otlp_protocol,
-                   f"must be one of {OTLP_PROTOCOLS}")
+            _check(
+                self.otlp_protocol in OTLP_PROTOCOLS,
+                "otlp_protocol",
+                self.otlp_protocol,
+                f"must be one of {OTLP_PROTOCOLS}",
+            )
         if self.otlp_endpoint is not None:
-            _check(_is_url(self.otlp_endpoint), "otlp_endpoint", self.otlp_endpoint,
-                   "must be an http:// or https:// URL, e.g. http://127.0.0.1:4317")
+            _check(
+                _is_url(self.otlp_endpoint),
+                "otlp_endpoint",
+                self.otlp_endpoint,
+                "must be an http:// or https:// URL, e.g. http://127.0.0.1:4317",
+            )
         if self.metric_export_interval_ms is not None:
-            _check(_is_int(self.metric_export_interval_ms) and self.metric_export_interval_ms >= 1,
-                   "metric_export_interval_ms", self.metric_export_interval_ms, "must be an integer >= 1")
+            _check(
+                _is_int(self.metric_export_interval_ms) and self.metric_export_interval_ms >= 1,
+                "metric_export_interval_ms",
+                self.metric_export_interval_ms,
+                "must be an integer >= 1",
+            )
         if self.exemplar_filter is not None:
-            _check(self.exemplar_filter in EXEMPLAR_FILTERS, "exemplar_filter", self.exemplar_filter,
-                   f"must be one of {EXEMPLAR_FILTERS}")
+            _check(
+                self.exemplar_filter in EXEMPLAR_FILTERS,
+                "exemplar_filter",
+                self.exemplar_filter,
+                f"must be one of {EXEMPLAR_FILTERS}",
+            )
         if self.histogram_aggregation is not None:
-            _check(self.histogram_aggregation in HISTOGRAM_AGGREGATIONS, "histogram_aggregation",
-                   self.histogram_aggregation, f"must be one of {HISTOGRAM_AGGREGATIONS}")
+            _check(
+                self.histogram_aggregation in HISTOGRAM_AGGREGATIONS,
+                "histogram_aggregation",
+                self.histogram_aggregation,
+                f"must be one of {HISTOGRAM_AGGREGATIONS}",
+            )
 
     @property
     def log_events(self) -> bool:
@@ -175,11 +243,7 @@ class TelemetryConfig:
     def with_env_defaults(self, environ: Optional[Mapping[str, str]] = None) -> "TelemetryConfig":
         """Fill the settings left ``None`` from the standard environment (validated)."""
         from_env = TelemetryConfig.from_env(environ)
-        filled = {
-            f.name: getattr(from_env, f.name)
-            for f in dataclasses.fields(self)
-            if getattr(self, f.name) is None
-        }
+        filled = {f.name: getattr(from_env, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is None}
         return dataclasses.replace(self, **filled)
 
     def redacted(self) -> dict[str, Any]:
@@ -207,7 +271,9 @@ def _is_url(value: Any) -> bool:
 def _names(setting: str, values: Any, allowed: tuple[str, ...]) -> tuple[str, ...]:
     if isinstance(values, str):
         values = values.split(",")
-    _check(isinstance(values, (tuple, list)), setting, values, f"must be a comma-separated string or a list of {allowed}")
+    _check(
+        isinstance(values, (tuple, list)), setting, values, f"must be a comma-separated string or a list of {allowed}"
+    )
     names = tuple(str(v).strip().lower() for v in values if str(v).strip())
     for name in names:
         _check(name in allowed, setting, name, f"is not one of {allowed}")
@@ -245,8 +311,7 @@ _ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
     "OTEL_LLM_MODEL_NAME": ("model_name", str),
     "OTEL_LLM_ENGINE": ("engine", str),
     "OTEL_LLM_NAMING": ("naming", str.lower),
-    "OTEL_LLM_PREEMPTION_BUCKETS": ("preemption_buckets",
-                                    lambda t: buckets.parse_boundaries("preemption_buckets", t)),
+    "OTEL_LLM_PREEMPTION_BUCKETS": ("preemption_buckets", lambda t: buckets.parse_boundaries("preemption_buckets", t)),
     "OTEL_LLM_MAX_MODEL_LEN": ("max_model_len", _int),
     "OTEL_LLM_SPANS": ("spans", _bool),
     "OTEL_LLM_MAX_INFLIGHT_REQUESTS": ("max_inflight_requests", _int),

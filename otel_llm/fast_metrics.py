@@ -27,9 +27,15 @@ _log = logging.getLogger(__name__)
 
 # Per-request histograms recorded at finish, by metric key (request_num_preemptions apart: an int).
 _REQUEST_HISTOGRAMS = (
-    "e2e_request_latency_seconds", "request_time_per_output_token_seconds", "request_queue_time_seconds",
-    "request_prefill_time_seconds", "request_decode_time_seconds", "request_inference_time_seconds",
-    "request_preempted_time_seconds", "request_prompt_tokens", "request_generation_tokens",
+    "e2e_request_latency_seconds",
+    "request_time_per_output_token_seconds",
+    "request_queue_time_seconds",
+    "request_prefill_time_seconds",
+    "request_decode_time_seconds",
+    "request_inference_time_seconds",
+    "request_preempted_time_seconds",
+    "request_prompt_tokens",
+    "request_generation_tokens",
     "request_params_max_tokens",
 )
 
@@ -62,8 +68,9 @@ class _Hub:
             else:
                 meter.create_observable_counter(name, [self._histogram_callback(m.key)], m.unit, m.meaning)
 
-    def cell(self, key: str, bounds: tuple[float, ...], attributes: dict[str, str],
-             exponential: bool = False) -> HistogramCell:
+    def cell(
+        self, key: str, bounds: tuple[float, ...], attributes: dict[str, str], exponential: bool = False
+    ) -> HistogramCell:
         ident = (key, tuple(sorted(attributes.items())))
         cell = self.cells.get(ident)
         if cell is None:
@@ -90,6 +97,7 @@ class _Hub:
                     totals[ident] = (attrs, value + (previous[1] if previous else 0))
             for attrs, value in totals.values():
                 yield Observation(value, attrs)
+
         return callback
 
     def _gauge_callback(self, key: str) -> Callable[[CallbackOptions], Iterator[Observation]]:
@@ -99,6 +107,7 @@ class _Hub:
                 value = recorder.gauges.get(key)
                 if value is not None:
                     yield Observation(value, recorder.attributes)
+
         return callback
 
     def _histogram_callback(self, key: str) -> Callable[[CallbackOptions], Iterator[Observation]]:
@@ -107,6 +116,7 @@ class _Hub:
             for (cell_key, _attrs), cell in list(self.cells.items()):
                 if cell_key == key and (any(cell.counts) or id(cell) in self.shown):
                     yield cell.observation()
+
         return callback
 
 
@@ -168,8 +178,11 @@ class FastMetrics(Recorder):
         self.request_cells = {k: cell(k) for k in _REQUEST_HISTOGRAMS}
         errors = error_attributes(config)
         # The same cells for a failed request, except error.type where the conventions ask for it.
-        self.error_cells = ({k: cell(k, errors) if BY_KEY[k].error_type else c for k, c in self.request_cells.items()}
-                            if errors else self.request_cells)
+        self.error_cells = (
+            {k: cell(k, errors) if BY_KEY[k].error_type else c for k, c in self.request_cells.items()}
+            if errors
+            else self.request_cells
+        )
         self.h_preemptions = cell("request_num_preemptions")
         self.hub.recorders.add(self)
 
@@ -190,9 +203,11 @@ class FastMetrics(Recorder):
             return [(self.attributes, self.n_prompt)]
         if key == "generation_tokens":
             return [(self.attributes, self.n_generation)]
-        labelled = {"num_preemptions_by_reason": (self.by_reason, self._reason_key),
-                    "request_success": (self.by_finish, self._finish_key),
-                    "dropped_events": (self.drops, "reason")}[key]
+        labelled = {
+            "num_preemptions_by_reason": (self.by_reason, self._reason_key),
+            "request_success": (self.by_finish, self._finish_key),
+            "dropped_events": (self.drops, "reason"),
+        }[key]
         values, label = labelled
         return [({**self.attributes, label: v}, n) for v, n in list(values.items())]
 
@@ -213,8 +228,14 @@ class FastMetrics(Recorder):
         if itl is not None:
             self.h_itl.observe(itl, exemplar)
 
-    def finished(self, values: dict[str, float], finish_reason: str, num_preemptions: int,
-                 exemplar: Optional[ExemplarIds], ctx: Any) -> None:
+    def finished(
+        self,
+        values: dict[str, float],
+        finish_reason: str,
+        num_preemptions: int,
+        exemplar: Optional[ExemplarIds],
+        ctx: Any,
+    ) -> None:
         reason = self._limit_finish(finish_reason)
         self.by_finish[reason] = self.by_finish.get(reason, 0) + 1
         cells = self.error_cells if finish_reason == "error" else self.request_cells
@@ -233,8 +254,9 @@ class FastMetrics(Recorder):
     def dropped(self, reason: str, n: int = 1) -> None:
         self.drops[reason] = self.drops.get(reason, 0) + n
 
-    def latencies(self, ttfts: Sequence[float], itls: Sequence[float], exemplar: Optional[ExemplarIds],
-                  ctx: Any) -> None:
+    def latencies(
+        self, ttfts: Sequence[float], itls: Sequence[float], exemplar: Optional[ExemplarIds], ctx: Any
+    ) -> None:
         if exemplar is None:
             self.h_ttft.observe_many(ttfts)
             self.h_itl.observe_many(itls)

@@ -55,9 +55,7 @@ class HookBus:
         self._event_handlers = tuple(
             (s, s.on_events) for s in self._subscribers if callable(getattr(s, "on_events", None))
         )
-        self._step_handlers = tuple(
-            (s, s.on_step) for s in self._subscribers if callable(getattr(s, "on_step", None))
-        )
+        self._step_handlers = tuple((s, s.on_step) for s in self._subscribers if callable(getattr(s, "on_step", None)))
 
     def publish(self, events: Sequence[RequestEvent]) -> None:
         for subscriber, handler in self._event_handlers:

@@ -43,10 +43,13 @@ def claim(instance_id: str) -> Optional[int]:
         except BlockingIOError:
             other = os.pread(fd, 32, 0).decode(errors="replace").strip()
             os.close(fd)
-            _log.warning("otel_llm: service.instance.id %r is already used by process %s on this host: a "
-                         "collector sees one series for both, each export overwriting the other's; give every "
-                         "process its own id (or leave it unset: each process then gets a UUID)",
-                         instance_id, other or "?")
+            _log.warning(
+                "otel_llm: service.instance.id %r is already used by process %s on this host: a "
+                "collector sees one series for both, each export overwriting the other's; give every "
+                "process its own id (or leave it unset: each process then gets a UUID)",
+                instance_id,
+                other or "?",
+            )
             return int(other) if other.isdigit() else -1
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)

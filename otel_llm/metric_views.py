@@ -23,8 +23,10 @@ def views(config: Optional[TelemetryConfig] = None) -> list[View]:
     allowed = {m.key for m in METRICS if m.kind == "histogram"} - {"request_num_preemptions"}
     unknown = sorted(set(config.histogram_buckets) - allowed)
     if unknown:
-        raise ValueError(f"histogram_buckets: {unknown} are not histogram keys of otel_llm.metrics.METRICS "
-                         "(request_num_preemptions has preemption_buckets)")
+        raise ValueError(
+            f"histogram_buckets: {unknown} are not histogram keys of otel_llm.metrics.METRICS "
+            "(request_num_preemptions has preemption_buckets)"
+        )
     out = []
     for m in METRICS:
         instrument = m.instrument_name(config.naming)
@@ -48,5 +50,7 @@ def use_reader_views(meter_provider: Any, reader: Any, reader_views: Sequence[Vi
 def provider_has_views(meter_provider: Any, config: TelemetryConfig) -> bool:
     """True when ``meter_provider`` was built with :func:`views` for this naming profile."""
     wanted = BY_KEY["inter_token_latency_seconds"].instrument_name(config.naming)
-    return any(isinstance(sdk_views.aggregation(v), InProcessHistogram) and sdk_views.instrument_name(v) == wanted
-               for v in sdk_views.provider_views(meter_provider))
+    return any(
+        isinstance(sdk_views.aggregation(v), InProcessHistogram) and sdk_views.instrument_name(v) == wanted
+        for v in sdk_views.provider_views(meter_provider)
+    )

@@ -40,8 +40,10 @@ def endpoint(config: TelemetryConfig, env: Mapping[str, str], signal: str, proto
     scheme, _, rest = endpoint.partition("://")
     if protocol == "grpc" and "@" in rest.split("/", 1)[0]:
         # gRPC does not send URL credentials, and its exporter logs the endpoint on every failure.
-        raise ValueError(f"{source}={scheme}://***@{rest.split('@', 1)[1]!s}: credentials in a gRPC endpoint URL "
-                         "are not supported (they would be logged); pass them in OTEL_EXPORTER_OTLP_HEADERS")
+        raise ValueError(
+            f"{source}={scheme}://***@{rest.split('@', 1)[1]!s}: credentials in a gRPC endpoint URL "
+            "are not supported (they would be logged); pass them in OTEL_EXPORTER_OTLP_HEADERS"
+        )
     return endpoint
 
 

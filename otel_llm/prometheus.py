@@ -81,7 +81,7 @@ class _ExemplarCollector(sdk_prometheus.CustomCollector):  # type: ignore[misc]
         self._last_exemplars: dict[tuple, list[Exemplar | None]] = {}
         self._seen: dict[tuple, list[Exemplar | None]] = {}
 
-    def collect(self):  # noqa: D401 - upstream docstring applies
+    def collect(self):
         # Materialized under the lock: a lock must not be held across a generator's yields.
         with self._exemplar_lock:
             self._seen = {}
@@ -180,12 +180,15 @@ class ExemplarPrometheusMetricReader(PrometheusMetricReader):
             registry=CollectorRegistry(auto_describe=False),
             **kwargs,
         )
-        sdk_prometheus.replace_collector(self, _ExemplarCollector(
-            disable_target_info=disable_target_info,
-            prefix=prefix,
-            scope_info_enabled=scope_info_enabled,
-            resource_attribute_filter=kwargs.get("resource_attribute_filter"),
-        ))
+        sdk_prometheus.replace_collector(
+            self,
+            _ExemplarCollector(
+                disable_target_info=disable_target_info,
+                prefix=prefix,
+                scope_info_enabled=scope_info_enabled,
+                resource_attribute_filter=kwargs.get("resource_attribute_filter"),
+            ),
+        )
         self._registry = registry
         self._registry.register(sdk_prometheus.collector(self))
         self._unregistered = False
@@ -199,11 +202,13 @@ class UpstreamPrometheusMetricReader(PrometheusMetricReader):
     registered in a given registry: where the exporter's internals that
     :class:`ExemplarPrometheusMetricReader` extends are not what it relies on."""
 
-    def __init__(self, registry: CollectorRegistry, *, disable_target_info: bool = False,
-                 scope_info_enabled: bool = False) -> None:
+    def __init__(
+        self, registry: CollectorRegistry, *, disable_target_info: bool = False, scope_info_enabled: bool = False
+    ) -> None:
         if "registry" in sdk_prometheus.READER_PARAMETERS:
-            super().__init__(disable_target_info=disable_target_info, scope_info_enabled=scope_info_enabled,
-                             registry=registry)
+            super().__init__(
+                disable_target_info=disable_target_info, scope_info_enabled=scope_info_enabled, registry=registry
+            )
         else:  # before exporter 0.63b0: it registers in the global REGISTRY (and has no scope labels)
             super().__init__(disable_target_info=disable_target_info)
             sdk_prometheus.move_to(self, registry)
@@ -281,7 +286,7 @@ class _Handler(BaseHTTPRequestHandler):
     server: _Server
     timeout = _REQUEST_TIMEOUT  # HTTP/1.0: one request per connection, short-lived threads
 
-    def do_GET(self) -> None:  # noqa: N802
+    def do_GET(self) -> None:
         path = self.path.split("?", 1)[0]
         if path not in ("/metrics", "/"):
             self._send(404, b"not found\n", "text/plain; charset=utf-8")
@@ -307,7 +312,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - silence access logs
+    def log_message(self, format: str, *args: Any) -> None:
         pass
 
 
@@ -370,8 +375,9 @@ class PrometheusEndpoint:
                     error = exc
             if server is None:
                 where = f"{self.host}:{self.port}" + (f"..{candidates[-1]}" if len(candidates) > 1 else "")
-                raise OSError(error.errno,
-                              f"otel_llm Prometheus endpoint cannot bind {where}: {error.strerror or error}") from error
+                raise OSError(
+                    error.errno, f"otel_llm Prometheus endpoint cannot bind {where}: {error.strerror or error}"
+                ) from error
             self._server = server
             self.port = server.server_address[1]
             self._thread = threading.Thread(

@@ -70,11 +70,14 @@ class TelemetryHandle:
         """Another engine's telemetry on the same providers, e.g. ``new_telemetry(engine="1")``."""
         sdk = isinstance(self.meter_provider, MeterProvider)  # else disabled: the no-op providers
         in_process = sdk and _sdk.in_process_metrics(self.config.exponential)
-        telemetry = EngineTelemetry(dataclasses.replace(self.config, **overrides),
-                                    meter_provider=self.meter_provider, tracer_provider=self.tracer_provider,
-                                    logger_provider=self.logger_provider,
-                                    metric_path="in_process" if in_process else "sdk",
-                                    span_path="auto" if sdk else "tracer")
+        telemetry = EngineTelemetry(
+            dataclasses.replace(self.config, **overrides),
+            meter_provider=self.meter_provider,
+            tracer_provider=self.tracer_provider,
+            logger_provider=self.logger_provider,
+            metric_path="in_process" if in_process else "sdk",
+            span_path="auto" if sdk else "tracer",
+        )
         self.engines.append(telemetry)
         return telemetry
 
@@ -109,11 +112,14 @@ class TelemetryHandle:
             self.prometheus.shutdown()
 
 
-def setup_telemetry(config: Optional[TelemetryConfig] = None, *,
-                    extra_metric_readers: Sequence[MetricReader] = (),
-                    extra_span_processors: Sequence[SpanProcessor] = (),
-                    extra_views: Sequence[View] = (),
-                    environ: Optional[Mapping[str, str]] = None) -> TelemetryHandle:
+def setup_telemetry(
+    config: Optional[TelemetryConfig] = None,
+    *,
+    extra_metric_readers: Sequence[MetricReader] = (),
+    extra_span_processors: Sequence[SpanProcessor] = (),
+    extra_views: Sequence[View] = (),
+    environ: Optional[Mapping[str, str]] = None,
+) -> TelemetryHandle:
     """Build providers, readers and exporters, and the engine's :class:`EngineTelemetry`.
 
     ``extra_views``: Views for instruments of your own on the same MeterProvider (the vLLM
@@ -127,16 +133,22 @@ def setup_telemetry(config: Optional[TelemetryConfig] = None, *,
     if config.defer_steps is None:
         config = dataclasses.replace(config, defer_steps=DEFAULT_DEFER_STEPS)
     if config.sdk_disabled:
-        telemetry = EngineTelemetry(config, meter_provider=NoOpMeterProvider(),
-                                    tracer_provider=trace.NoOpTracerProvider(),
-                                    logger_provider=NoOpLoggerProvider(), metric_path="sdk", span_path="tracer")
+        telemetry = EngineTelemetry(
+            config,
+            meter_provider=NoOpMeterProvider(),
+            tracer_provider=trace.NoOpTracerProvider(),
+            logger_provider=NoOpLoggerProvider(),
+            metric_path="sdk",
+            span_path="tracer",
+        )
         return TelemetryHandle(config, telemetry, None, None, engines=[telemetry], extra_views=tuple(extra_views))
 
     resource = _resource(config)
     if _user_given_instance_id(config, env):  # the SDK's own per-process UUIDs are unique already
         identity.claim(str(resource.attributes["service.instance.id"]))
-    metrics_exporters = config.metrics_exporters or (("prometheus",) if config.prometheus_port is not None
-                                                     else ("otlp",))
+    metrics_exporters = config.metrics_exporters or (
+        ("prometheus",) if config.prometheus_port is not None else ("otlp",)
+    )
     traces_exporters = config.traces_exporters or ("otlp",)
     # Log records are only the preemption events: no LoggerProvider unless they are on.
     logs_exporters = (config.logs_exporters or ("otlp",)) if config.log_events else ()
@@ -176,9 +188,12 @@ def setup_telemetry(config: Optional[TelemetryConfig] = None, *,
     # The histogram-aggregation variable is OTLP's: the other readers (Prometheus, console) keep
     # explicit buckets, and the OTLP reader gets Views of its own.
     explicit = dataclasses.replace(config, histogram_aggregation=None)
-    meter_provider = MeterProvider(metric_readers=readers, resource=resource,
-                                   views=views(explicit) + list(extra_views),
-                                   exemplar_filter=_EXEMPLAR_FILTERS[filter_name]())
+    meter_provider = MeterProvider(
+        metric_readers=readers,
+        resource=resource,
+        views=views(explicit) + list(extra_views),
+        exemplar_filter=_EXEMPLAR_FILTERS[filter_name](),
+    )
     if config.exponential and otlp_reader is not None:
         use_reader_views(meter_provider, otlp_reader, views(config) + list(extra_views))
     tracer_provider = TracerProvider(resource=resource)
@@ -192,19 +207,39 @@ def setup_telemetry(config: Optional[TelemetryConfig] = None, *,
     if config.log_events:
         logger_provider = LoggerProvider(resource=resource)
         if "otlp" in logs_exporters:
-            logger_provider.add_log_record_processor(counting_log_processor(otlp.exporter(config, env, "logs"),
-                                                                            accounting))
+            logger_provider.add_log_record_processor(
+                counting_log_processor(otlp.exporter(config, env, "logs"), accounting)
+            )
         if "console" in logs_exporters:
             logger_provider.add_log_record_processor(BatchLogRecordProcessor(ConsoleLogRecordExporter()))
 
-    telemetry = EngineTelemetry(config, meter_provider=meter_provider, tracer_provider=tracer_provider,
-                                logger_provider=logger_provider,
-                                metric_path="in_process" if _sdk.in_process_metrics(config.exponential) else "sdk")
+    telemetry = EngineTelemetry(
+        config,
+        meter_provider=meter_provider,
+        tracer_provider=tracer_provider,
+        logger_provider=logger_provider,
+        metric_path="in_process" if _sdk.in_process_metrics(config.exponential) else "sdk",
+    )
     accounting.telemetry = telemetry
-    _log.info("otel_llm telemetry: metrics=%s traces=%s logs=%s prometheus=%s settings=%s", metrics_exporters,
-              traces_exporters, logs_exporters, prometheus.url if prometheus else None, config.redacted())
-    return TelemetryHandle(config, telemetry, meter_provider, tracer_provider, prometheus, engines=[telemetry],
-                           accounting=accounting, extra_views=tuple(extra_views), logger_provider=logger_provider)
+    _log.info(
+        "otel_llm telemetry: metrics=%s traces=%s logs=%s prometheus=%s settings=%s",
+        metrics_exporters,
+        traces_exporters,
+        logs_exporters,
+        prometheus.url if prometheus else None,
+        config.redacted(),
+    )
+    return TelemetryHandle(
+        config,
+        telemetry,
+        meter_provider,
+        tracer_provider,
+        prometheus,
+        engines=[telemetry],
+        accounting=accounting,
+        extra_views=tuple(extra_views),
+        logger_provider=logger_provider,
+    )
 
 
 def _user_given_instance_id(config: TelemetryConfig, env: Mapping[str, str]) -> bool:

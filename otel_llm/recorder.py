@@ -34,13 +34,22 @@ class Recorder:
     def ttft(self, seconds: float, exemplar: Optional[ExemplarIds], ctx: Any) -> None: ...
     def tokens(self, n: int, itl: Optional[float], exemplar: Optional[ExemplarIds], ctx: Any) -> None:
         """``n`` output tokens of one step, ``itl`` seconds after the request's previous step."""
-    def finished(self, values: dict[str, float], finish_reason: str, num_preemptions: int,
-                 exemplar: Optional[ExemplarIds], ctx: Any) -> None: ...
+
+    def finished(
+        self,
+        values: dict[str, float],
+        finish_reason: str,
+        num_preemptions: int,
+        exemplar: Optional[ExemplarIds],
+        ctx: Any,
+    ) -> None: ...
     def step(self, stats: StepStats) -> None: ...
     def dropped(self, reason: str, n: int = 1) -> None: ...
-    def latencies(self, ttfts: Sequence[float], itls: Sequence[float], exemplar: Optional[ExemplarIds],
-                  ctx: Any) -> None:
+    def latencies(
+        self, ttfts: Sequence[float], itls: Sequence[float], exemplar: Optional[ExemplarIds], ctx: Any
+    ) -> None:
         """An engine step's TTFT and inter-token latency observations, not tied to one request."""
+
     def show_zero_series(self, finish_reasons: Iterable[str], histograms: Iterable[str]) -> None:
         """Export series from now on, at zero until observed (as vLLM's logger does): dashboards
         show 0 rather than no data, and ``increase()`` sees a series' first observations.

@@ -37,8 +37,13 @@ class DropLog:
             return
         more = self._since.pop(reason, 0)
         self._last[reason] = now
-        _log.warning("otel_llm dropped an event (%s): %s%s", reason, _describe(event),
-                     f" (+{more} more since the last report)" if more else "", exc_info=exc_info)
+        _log.warning(
+            "otel_llm dropped an event (%s): %s%s",
+            reason,
+            _describe(event),
+            f" (+{more} more since the last report)" if more else "",
+            exc_info=exc_info,
+        )
 
 
 def _describe(event: Any) -> str:
@@ -50,8 +55,14 @@ def _describe(event: Any) -> str:
 class RequestSink:
     """Implements tracker.TrackerSink."""
 
-    def __init__(self, metrics: Recorder, spans: Optional[RequestSpans], log_events: Optional[LogEvents],
-                 span_events: bool, spanless_exemplar: Optional[tuple[None, None]]) -> None:
+    def __init__(
+        self,
+        metrics: Recorder,
+        spans: Optional[RequestSpans],
+        log_events: Optional[LogEvents],
+        span_events: bool,
+        spanless_exemplar: Optional[tuple[None, None]],
+    ) -> None:
         self.metrics = metrics
         self.tokens = metrics.tokens  # TrackerSink.tokens: the recorder's own (one call per TOKENS event)
         self.spans = spans
@@ -100,12 +111,21 @@ class RequestSink:
         self.metrics.dropped(reason)
         self._drops.note(reason, event)
 
-    def preemption_event(self, req: RequestState, ordinal: int, ts: float, num_computed_tokens: int,
-                         reason: str) -> None:
+    def preemption_event(
+        self, req: RequestState, ordinal: int, ts: float, num_computed_tokens: int, reason: str
+    ) -> None:
         """The one place a preemption becomes an event: span event and/or log record, per config."""
         if req.span is not None and self._span_events:
-            self.spans.event(req.span, "preempted", ts, {  # type: ignore[union-attr]
-                "ordinal": ordinal, "num_computed_tokens": num_computed_tokens, "reason": reason})
+            self.spans.event(
+                req.span,
+                "preempted",
+                ts,
+                {  # type: ignore[union-attr]
+                    "ordinal": ordinal,
+                    "num_computed_tokens": num_computed_tokens,
+                    "reason": reason,
+                },
+            )
         if self.log_events is not None:
             self.log_events.preempted(req.request_id, req.span, ordinal, ts, num_computed_tokens, reason)
 
@@ -118,11 +138,13 @@ class RequestSink:
         req.span = self.spans.start(req.request_id, req.arrival, carrier, attributes)
         req.exemplar, req.ctx = self.spans.exemplar(req.span)
 
-    def finish(self, req: RequestState, summary: RequestSummary, extra: Optional[dict[str, Any]],
-               metrics: bool = True) -> None:
+    def finish(
+        self, req: RequestState, summary: RequestSummary, extra: Optional[dict[str, Any]], metrics: bool = True
+    ) -> None:
         if metrics:
-            self.metrics.finished(summary.histogram_values(), summary.finish_reason, summary.num_preemptions,
-                                  req.exemplar, req.ctx)
+            self.metrics.finished(
+                summary.histogram_values(), summary.finish_reason, summary.num_preemptions, req.exemplar, req.ctx
+            )
         if req.span is not None:
             self.spans.end(req.span, summary, extra)  # type: ignore[union-attr]
 

@@ -23,8 +23,14 @@ _OTLP = "OTEL_EXPORTER_OTLP_"
 _SIGNALS = ("", "TRACES_", "METRICS_", "LOGS_")
 # What each exporter accepts (SDK 1.45: the gRPC one knows only gzip, and raises on anything else).
 _COMPRESSIONS = {"grpc": ("gzip",), "http/protobuf": ("gzip", "deflate", "none")}
-_SAMPLERS = ("always_on", "always_off", "traceidratio", "parentbased_always_on", "parentbased_always_off",
-             "parentbased_traceidratio")
+_SAMPLERS = (
+    "always_on",
+    "always_off",
+    "traceidratio",
+    "parentbased_always_on",
+    "parentbased_always_off",
+    "parentbased_traceidratio",
+)
 # The batch span and log record processors' defaults (OTel spec), for the queue/batch comparison.
 _BSP_DEFAULT_QUEUE, _BSP_DEFAULT_BATCH = 2048, 512
 
@@ -48,8 +54,10 @@ def check(env: Mapping[str, str], protocols: Mapping[str, str]) -> None:
         _integer(env, f"{prefix}SCHEDULE_DELAY", 1)
         _integer(env, f"{prefix}EXPORT_TIMEOUT", 0)
         if (batch or _BSP_DEFAULT_BATCH) > (queue or _BSP_DEFAULT_QUEUE):
-            raise ValueError(f"{prefix}MAX_EXPORT_BATCH_SIZE={batch or _BSP_DEFAULT_BATCH}: must be <= "
-                             f"{prefix}MAX_QUEUE_SIZE={queue or _BSP_DEFAULT_QUEUE}")
+            raise ValueError(
+                f"{prefix}MAX_EXPORT_BATCH_SIZE={batch or _BSP_DEFAULT_BATCH}: must be <= "
+                f"{prefix}MAX_QUEUE_SIZE={queue or _BSP_DEFAULT_QUEUE}"
+            )
     for signal, protocol in protocols.items():
         for var in (f"{_OTLP}{signal.upper()}_COMPRESSION", f"{_OTLP}COMPRESSION"):
             _compression(env, var, protocol)
@@ -93,8 +101,9 @@ def _timeout(env: Mapping[str, str], var: str) -> None:
         return
     raw = _set(env, var)
     if raw is not None and not (raw.strip().isdigit() and int(raw) > 0):
-        raise ValueError(f"{var}={raw!r}: must be a whole number of seconds > 0 (the installed OTLP exporters "
-                         f"read an integer)")
+        raise ValueError(
+            f"{var}={raw!r}: must be a whole number of seconds > 0 (the installed OTLP exporters read an integer)"
+        )
 
 
 def _integer(env: Mapping[str, str], var: str, minimum: int) -> Optional[int]:
@@ -113,8 +122,9 @@ def _integer(env: Mapping[str, str], var: str, minimum: int) -> Optional[int]:
 def _compression(env: Mapping[str, str], var: str, protocol: str) -> None:
     raw = _set(env, var)
     if raw is not None and raw.strip().lower() not in _COMPRESSIONS[protocol]:
-        raise ValueError(f"{var}={raw!r}: must be one of {', '.join(_COMPRESSIONS[protocol])} "
-                         f"with the {protocol} exporter")
+        raise ValueError(
+            f"{var}={raw!r}: must be one of {', '.join(_COMPRESSIONS[protocol])} with the {protocol} exporter"
+        )
 
 
 def _headers(env: Mapping[str, str], var: str) -> None:
@@ -125,9 +135,11 @@ def _headers(env: Mapping[str, str], var: str) -> None:
         if member and not _HEADER.fullmatch(member):
             key = member.split("=", 1)[0].strip() if "=" in member else ""
             shown = f"{key[:40]}=***" if key else "***"
-            raise ValueError(f"{var}: member {position} ({shown}, value not shown): must be a comma-separated "
-                             "list of name=value, the name a token, the value URL-encoded "
-                             "(no comma, semicolon, double quote or backslash)")
+            raise ValueError(
+                f"{var}: member {position} ({shown}, value not shown): must be a comma-separated "
+                "list of name=value, the name a token, the value URL-encoded "
+                "(no comma, semicolon, double quote or backslash)"
+            )
 
 
 def _file(env: Mapping[str, str], var: str) -> None:
@@ -142,8 +154,10 @@ def _sampler(env: Mapping[str, str]) -> None:
         return
     name = raw.strip().lower()
     if name not in _SAMPLERS and name not in {ep.name for ep in entry_points(group="opentelemetry_traces_sampler")}:
-        raise ValueError(f"OTEL_TRACES_SAMPLER={raw!r}: must be one of {', '.join(_SAMPLERS)} "
-                         "(or a sampler registered in the entry-point group opentelemetry_traces_sampler)")
+        raise ValueError(
+            f"OTEL_TRACES_SAMPLER={raw!r}: must be one of {', '.join(_SAMPLERS)} "
+            "(or a sampler registered in the entry-point group opentelemetry_traces_sampler)"
+        )
     arg = _set(env, "OTEL_TRACES_SAMPLER_ARG")
     if name.endswith("traceidratio") and arg is not None:
         try:
@@ -160,5 +174,7 @@ def _resource_attributes(env: Mapping[str, str]) -> None:
         return
     for member in raw.split(","):
         if member.strip() and not _RESOURCE_ATTRIBUTE.fullmatch(member):
-            raise ValueError(f"OTEL_RESOURCE_ATTRIBUTES={raw!r}: member {member!r} must be key=value "
-                             "(comma-separated, the key non-empty)")
+            raise ValueError(
+                f"OTEL_RESOURCE_ATTRIBUTES={raw!r}: member {member!r} must be key=value "
+                "(comma-separated, the key non-empty)"
+            )

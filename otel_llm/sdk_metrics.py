@@ -77,8 +77,14 @@ class SdkMetrics(Recorder):
         if itl is not None:
             self.i["inter_token_latency_seconds"].record(itl, self.attributes, context=ctx)
 
-    def finished(self, values: dict[str, float], finish_reason: str, num_preemptions: int,
-                 exemplar: Optional[ExemplarIds], ctx: Any) -> None:
+    def finished(
+        self,
+        values: dict[str, float],
+        finish_reason: str,
+        num_preemptions: int,
+        exemplar: Optional[ExemplarIds],
+        ctx: Any,
+    ) -> None:
         i, attrs = self.i, self.attributes
         i["request_success"].add(1, {**attrs, self._finish_key: self._limit_finish(finish_reason)})
         errors = self._error_attributes if finish_reason == "error" else None
@@ -97,8 +103,9 @@ class SdkMetrics(Recorder):
     def dropped(self, reason: str, n: int = 1) -> None:
         self.i["dropped_events"].add(n, {**self.attributes, "reason": reason})
 
-    def latencies(self, ttfts: Sequence[float], itls: Sequence[float], exemplar: Optional[ExemplarIds],
-                  ctx: Any) -> None:
+    def latencies(
+        self, ttfts: Sequence[float], itls: Sequence[float], exemplar: Optional[ExemplarIds], ctx: Any
+    ) -> None:
         for value in ttfts:
             self.ttft(value, exemplar, ctx)
         for value in itls:

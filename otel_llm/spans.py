@@ -22,17 +22,24 @@ import time
 from typing import Any, Mapping, Optional
 
 from opentelemetry import _logs, trace
-from opentelemetry.context import Context
 from opentelemetry.attributes import BoundedAttributes
+from opentelemetry.context import Context
 from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.sdk.trace import Tracer as SdkTracer
 from opentelemetry.sdk.util import BoundedList
-from opentelemetry.trace import INVALID_SPAN_CONTEXT, NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode
-from opentelemetry.trace import TraceFlags, TracerProvider
+from opentelemetry.trace import (
+    INVALID_SPAN_CONTEXT,
+    NonRecordingSpan,
+    SpanContext,
+    SpanKind,
+    Status,
+    StatusCode,
+    TraceFlags,
+    TracerProvider,
+)
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from . import __version__
-from . import _sdk
+from . import __version__, _sdk
 from ._sdk import tracer as sdk_tracer
 from .aggregation import ExemplarIds
 from .config import TelemetryConfig
@@ -48,8 +55,9 @@ _UNSET = Status(StatusCode.UNSET)
 _MAX_LATER_ATTRIBUTES = 17
 
 
-def request_spans(config: TelemetryConfig, tracer_provider: Optional[TracerProvider], exemplar_filter: str,
-                  assembled: bool = True) -> "RequestSpans":
+def request_spans(
+    config: TelemetryConfig, tracer_provider: Optional[TracerProvider], exemplar_filter: str, assembled: bool = True
+) -> "RequestSpans":
     """Assembled spans when the provider is the SDK's (and ``assembled``), else the Tracer API path."""
     tracer = trace.get_tracer("otel_llm", __version__, tracer_provider=tracer_provider)
     if assembled and isinstance(tracer, SdkTracer) and _sdk.holds("tracer"):
@@ -71,14 +79,25 @@ class RequestSpans:
         return int(monotonic_seconds * 1e9) + self._offset_ns
 
     def _start_attributes(self, request_id: str, attributes: Mapping[str, Any]) -> dict[str, Any]:
-        return {"gen_ai.request.id": request_id, "gen_ai.operation.name": GEN_AI_OPERATION,
-                "gen_ai.provider.name": self._provider, "gen_ai.request.model": self._model, **attributes}
+        return {
+            "gen_ai.request.id": request_id,
+            "gen_ai.operation.name": GEN_AI_OPERATION,
+            "gen_ai.provider.name": self._provider,
+            "gen_ai.request.model": self._model,
+            **attributes,
+        }
 
-    def start(self, request_id: str, ts: float, carrier: Optional[Mapping[str, str]],
-              attributes: Mapping[str, Any]) -> Any:
+    def start(
+        self, request_id: str, ts: float, carrier: Optional[Mapping[str, str]], attributes: Mapping[str, Any]
+    ) -> Any:
         parent = _propagator.extract(carrier) if carrier else None
-        return self.tracer.start_span(self.name, context=parent, kind=self.kind, start_time=self.wall_ns(ts),
-                                      attributes=self._start_attributes(request_id, attributes))
+        return self.tracer.start_span(
+            self.name,
+            context=parent,
+            kind=self.kind,
+            start_time=self.wall_ns(ts),
+            attributes=self._start_attributes(request_id, attributes),
+        )
 
     def _api_span(self, span: Any) -> trace.Span:
         return span
@@ -165,8 +184,14 @@ class _OpenSpan:
 
     __slots__ = ("api", "parent", "start_ns", "attributes", "events")
 
-    def __init__(self, api: trace.Span, parent: Optional[SpanContext], start_ns: int,
-                 attributes: Any, events: Optional[BoundedList]) -> None:
+    def __init__(
+        self,
+        api: trace.Span,
+        parent: Optional[SpanContext],
+        start_ns: int,
+        attributes: Any,
+        events: Optional[BoundedList],
+    ) -> None:
         self.api = api  # a NonRecordingSpan with this span's context: what a record() context carries
         self.parent = parent
         self.start_ns = start_ns
@@ -199,8 +224,9 @@ class AssembledSpans(RequestSpans):
     def _api_span(self, span: _OpenSpan) -> trace.Span:
         return span.api
 
-    def start(self, request_id: str, ts: float, carrier: Optional[Mapping[str, str]],
-              attributes: Mapping[str, Any]) -> _OpenSpan:
+    def start(
+        self, request_id: str, ts: float, carrier: Optional[Mapping[str, str]], attributes: Mapping[str, Any]
+    ) -> _OpenSpan:
         tracer = self.tracer
         context = _propagator.extract(carrier) if carrier else None
         parent: Optional[SpanContext] = trace.get_current_span(context).get_span_context()
@@ -216,34 +242,54 @@ class AssembledSpans(RequestSpans):
         sampling = tracer.sampler.should_sample(context, trace_id, self.name, self.kind, attributes, None)
         flags = TraceFlags.SAMPLED if sampling.decision.is_sampled() else TraceFlags.DEFAULT
         flags |= sdk_tracer.random_trace_id_flag(tracer, parent)
-        span_context = SpanContext(trace_id, ids.generate_span_id(), is_remote=False, trace_flags=TraceFlags(flags),
-                                   trace_state=sampling.trace_state)
+        span_context = SpanContext(
+            trace_id,
+            ids.generate_span_id(),
+            is_remote=False,
+            trace_flags=TraceFlags(flags),
+            trace_state=sampling.trace_state,
+        )
         api = NonRecordingSpan(span_context)
         if not sampling.decision.is_recording():
             return _OpenSpan(api, parent, 0, None, None)
         attributes = dict(sampling.attributes or {})
         if self._span_value_len is not None or len(attributes) + _MAX_LATER_ATTRIBUTES > self._max_attributes:
             # A limit could bite: the SDK's own bounded mapping, set in the same order as a live span's.
-            attributes = BoundedAttributes(self._max_attributes, attributes, immutable=False,
-                                           max_value_len=self._span_value_len)
+            attributes = BoundedAttributes(
+                self._max_attributes, attributes, immutable=False, max_value_len=self._span_value_len
+            )
         return _OpenSpan(api, parent, self.wall_ns(ts), attributes, BoundedList(self._max_events))
 
     def event(self, span: _OpenSpan, name: str, ts: float, attributes: Mapping[str, Any]) -> None:
         if span.events is None:
             return
         if self._event_value_len is not None or len(attributes) > self._max_event_attributes:
-            attributes = BoundedAttributes(self._max_event_attributes, attributes, immutable=True,
-                                           max_value_len=self._event_value_len)
+            attributes = BoundedAttributes(
+                self._max_event_attributes, attributes, immutable=True, max_value_len=self._event_value_len
+            )
         span.events.append(Event(name, attributes, self.wall_ns(ts)))
 
     def _emit(self, span: _OpenSpan, status: Status, end_ns: int) -> None:
         tracer = self.tracer
         if isinstance(span.attributes, BoundedAttributes):
             sdk_tracer.freeze(span.attributes)
-        tracer.span_processor.on_end(ReadableSpan(
-            self.name, span.api.get_span_context(), span.parent, tracer.resource, span.attributes, span.events, (),
-            self.kind, tracer.instrumentation_info, status, span.start_ns, end_ns,
-            sdk_tracer.instrumentation_scope(tracer)))
+        tracer.span_processor.on_end(
+            ReadableSpan(
+                self.name,
+                span.api.get_span_context(),
+                span.parent,
+                tracer.resource,
+                span.attributes,
+                span.events,
+                (),
+                self.kind,
+                tracer.instrumentation_info,
+                status,
+                span.start_ns,
+                end_ns,
+                sdk_tracer.instrumentation_scope(tracer),
+            )
+        )
 
     def end(self, span: _OpenSpan, summary: RequestSummary, extra: Optional[Mapping[str, Any]] = None) -> None:
         if span.events is None:
@@ -274,15 +320,24 @@ class LogEvents:
         # The spans' clock when there are spans: a log record and its span event share a timestamp.
         self.wall_ns = spans.wall_ns if spans is not None else (lambda ts: int(ts * 1e9) + offset_ns)
 
-    def preempted(self, request_id: str, span: Any, ordinal: int, ts: float, num_computed_tokens: int,
-                  reason: str) -> None:
+    def preempted(
+        self, request_id: str, span: Any, ordinal: int, ts: float, num_computed_tokens: int, reason: str
+    ) -> None:
         if not self.supported:
             return
-        context = (trace.set_span_in_context(self._spans._api_span(span), Context())
-                   if span is not None and self._spans is not None else Context())
-        self.logger.emit(timestamp=self.wall_ns(ts), context=context, event_name=PREEMPTED_EVENT, attributes={
-            "gen_ai.request.id": request_id,
-            "llm.preemption.ordinal": ordinal,
-            "llm.preemption.num_computed_tokens": num_computed_tokens,
-            "llm.preemption.reason": reason,
-        })
+        context = (
+            trace.set_span_in_context(self._spans._api_span(span), Context())
+            if span is not None and self._spans is not None
+            else Context()
+        )
+        self.logger.emit(
+            timestamp=self.wall_ns(ts),
+            context=context,
+            event_name=PREEMPTED_EVENT,
+            attributes={
+                "gen_ai.request.id": request_id,
+                "llm.preemption.ordinal": ordinal,
+                "llm.preemption.num_computed_tokens": num_computed_tokens,
+                "llm.preemption.reason": reason,
+            },
+        )

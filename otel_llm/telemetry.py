@@ -51,9 +51,11 @@ def _recorder(meter_provider: Any, config: TelemetryConfig, metric_path: str) ->
         in_process = provider_has_views(meter_provider, config)
         if not in_process and id(meter_provider) not in _warned_providers:
             _warned_providers.add(id(meter_provider))
-            _log.warning("otel_llm: this MeterProvider was built without otel_llm.views(config): metric names "
-                         "and buckets are the SDK's defaults and every observation goes through the SDK. "
-                         "Build it with MeterProvider(views=otel_llm.views(config), ...).")
+            _log.warning(
+                "otel_llm: this MeterProvider was built without otel_llm.views(config): metric names "
+                "and buckets are the SDK's defaults and every observation goes through the SDK. "
+                "Build it with MeterProvider(views=otel_llm.views(config), ...)."
+            )
     return (FastMetrics if in_process else SdkMetrics)(meter_provider, config)
 
 
@@ -73,20 +75,34 @@ class EngineTelemetry:
     ``metrics``, ``spans`` and ``tracker`` are the parts it is made of, for tests to look into.
     """
 
-    def __init__(self, config: Optional[TelemetryConfig] = None, *, meter_provider: Any = None,
-                 tracer_provider: Any = None, logger_provider: Any = None,
-                 metric_path: str = "auto", span_path: str = "auto") -> None:
+    def __init__(
+        self,
+        config: Optional[TelemetryConfig] = None,
+        *,
+        meter_provider: Any = None,
+        tracer_provider: Any = None,
+        logger_provider: Any = None,
+        metric_path: str = "auto",
+        span_path: str = "auto",
+    ) -> None:
         if span_path not in SPAN_PATHS:
             raise ValueError(f"span_path: {span_path!r} is not one of {SPAN_PATHS}")
         self.config = config = config or TelemetryConfig()
         self.metrics: Recorder = _recorder(meter_provider or metrics_api.get_meter_provider(), config, metric_path)
-        exemplar_filter = (config.exemplar_filter or os.environ.get("OTEL_METRICS_EXEMPLAR_FILTER", "")
-                           or "trace_based").lower()
-        self.spans = (request_spans(config, tracer_provider, exemplar_filter, span_path == "auto")
-                      if config.spans else None)
+        exemplar_filter = (
+            config.exemplar_filter or os.environ.get("OTEL_METRICS_EXEMPLAR_FILTER", "") or "trace_based"
+        ).lower()
+        self.spans = (
+            request_spans(config, tracer_provider, exemplar_filter, span_path == "auto") if config.spans else None
+        )
         self.log_events = LogEvents(logger_provider, self.spans) if config.log_events else None
-        self._sink = RequestSink(self.metrics, self.spans, self.log_events, config.preemption_events != "log",
-                                 (None, None) if exemplar_filter == "always_on" else None)
+        self._sink = RequestSink(
+            self.metrics,
+            self.spans,
+            self.log_events,
+            config.preemption_events != "log",
+            (None, None) if exemplar_filter == "always_on" else None,
+        )
         self.tracker = Tracker(self._sink, config.max_inflight_requests)
         self._pending: deque[tuple[RequestEvent, ...]] = deque()
         # Deferred only where every collection applies the pending batches first (the hub's
@@ -144,15 +160,21 @@ class EngineTelemetry:
 
     # -- for adapters whose engine hands over derived stats (vLLM) -----------------------
 
-    def record_finished(self, summary: RequestSummary, trace_context: Optional[Any] = None,
-                        metrics: bool = True) -> None:
+    def record_finished(
+        self, summary: RequestSummary, trace_context: Optional[Any] = None, metrics: bool = True
+    ) -> None:
         """Per-request histograms, ``request_success`` and one span, from a finished request;
         ``trace_context``: the caller's W3C carrier (``traceparent``), parent of the span;
         ``metrics=False``: the span only (a request the engine's own metrics do not count)."""
         try:
             with self.metrics.lock:
-                req = RequestState(summary.request_id, summary.arrival_time, summary.prompt_tokens,
-                                   summary.max_tokens, summary.cached_tokens)
+                req = RequestState(
+                    summary.request_id,
+                    summary.arrival_time,
+                    summary.prompt_tokens,
+                    summary.max_tokens,
+                    summary.cached_tokens,
+                )
                 sink = self._sink
                 sink.start_span(req, trace_context, {})
                 for ordinal, (ts, tokens, reason) in enumerate(summary.preemptions, 1):
@@ -161,9 +183,16 @@ class EngineTelemetry:
         except Exception:  # noqa: BLE001
             self._sink.internal_error(summary)
 
-    def record_iteration(self, *, ttfts: Iterable[float] = (), itls: Iterable[float] = (), prompt_tokens: int = 0,
-                         generation_tokens: int = 0, num_preemptions: int = 0,
-                         preemption_reason: str = "kv_cache_full") -> None:
+    def record_iteration(
+        self,
+        *,
+        ttfts: Iterable[float] = (),
+        itls: Iterable[float] = (),
+        prompt_tokens: int = 0,
+        generation_tokens: int = 0,
+        num_preemptions: int = 0,
+        preemption_reason: str = "kv_cache_full",
+    ) -> None:
         """Per-iteration observations that are not tied to a request span."""
         try:
             with self.metrics.lock:
@@ -200,8 +229,11 @@ class EngineTelemetry:
 
 def _valid_step(stats: StepStats) -> bool:
     try:
-        return (t.is_count(stats.num_running) and t.is_count(stats.num_waiting)
-                and (stats.num_batched_tokens is None or t.is_count(stats.num_batched_tokens))
-                and 0.0 <= stats.kv_cache_usage <= 1.0)
+        return (
+            t.is_count(stats.num_running)
+            and t.is_count(stats.num_waiting)
+            and (stats.num_batched_tokens is None or t.is_count(stats.num_batched_tokens))
+            and 0.0 <= stats.kv_cache_usage <= 1.0
+        )
     except (TypeError, AttributeError):
         return False

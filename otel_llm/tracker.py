@@ -36,9 +36,22 @@ SPANS_QUEUE_FULL = "spans_queue_full"  # BatchSpanProcessor queue full (collecto
 SPANS_AFTER_SHUTDOWN = "spans_after_shutdown"
 SPANS_EXPORT_FAILED = "spans_export_failed"  # the exporter gave up on a batch (after its retries)
 METRIC_POINTS_EXPORT_FAILED = "metric_points_export_failed"  # cumulative: the next export carries them
-DROP_REASONS = (UNKNOWN_REQUEST, DUPLICATE_ARRIVAL, DUPLICATE_FINISH, AFTER_FINISH, TIME_BACKWARDS,
-                INVALID_VALUE, INVALID_TRANSITION, UNKNOWN_EVENT_TYPE, EVICTED, INTERNAL_ERROR,
-                SPANS_QUEUE_FULL, SPANS_AFTER_SHUTDOWN, SPANS_EXPORT_FAILED, METRIC_POINTS_EXPORT_FAILED)
+DROP_REASONS = (
+    UNKNOWN_REQUEST,
+    DUPLICATE_ARRIVAL,
+    DUPLICATE_FINISH,
+    AFTER_FINISH,
+    TIME_BACKWARDS,
+    INVALID_VALUE,
+    INVALID_TRANSITION,
+    UNKNOWN_EVENT_TYPE,
+    EVICTED,
+    INTERNAL_ERROR,
+    SPANS_QUEUE_FULL,
+    SPANS_AFTER_SHUTDOWN,
+    SPANS_EXPORT_FAILED,
+    METRIC_POINTS_EXPORT_FAILED,
+)
 
 MAX_ID_LENGTH = 256  # longer request ids are rejected: ids go into span attributes
 # Timestamps are monotonic seconds (>= 0); beyond this (~317 years) a span time no longer fits
@@ -53,9 +66,27 @@ _TOKENS = EventType.TOKENS  # costs ~60 ns, once per event
 class RequestState:
     """What the tracker knows of one in-flight request."""
 
-    __slots__ = ("request_id", "arrival", "queued", "first_scheduled", "first_token", "last_token", "last_ts",
-                 "running", "num_preemptions", "preempted_at", "preempted_time", "recomputed_tokens",
-                 "prompt_tokens", "max_tokens", "generation_tokens", "cached_tokens", "span", "exemplar", "ctx")
+    __slots__ = (
+        "request_id",
+        "arrival",
+        "queued",
+        "first_scheduled",
+        "first_token",
+        "last_token",
+        "last_ts",
+        "running",
+        "num_preemptions",
+        "preempted_at",
+        "preempted_time",
+        "recomputed_tokens",
+        "prompt_tokens",
+        "max_tokens",
+        "generation_tokens",
+        "cached_tokens",
+        "span",
+        "exemplar",
+        "ctx",
+    )
 
     def __init__(self, request_id: str, ts: float, prompt_tokens: int, max_tokens: int, cached_tokens: int) -> None:
         self.request_id = request_id
@@ -149,7 +180,9 @@ def summarize(req: RequestState, ts: float, finish_reason: str) -> RequestSummar
         generation_tokens=n,
         max_tokens=req.max_tokens,
         num_preemptions=req.num_preemptions,
-        queue_time=scheduled - (req.queued if req.queued is not None else req.arrival) if scheduled is not None else None,
+        queue_time=scheduled - (req.queued if req.queued is not None else req.arrival)
+        if scheduled is not None
+        else None,
         ttft=first - req.arrival if first is not None else None,
         prefill_time=first - scheduled if first is not None and scheduled is not None else None,
         decode_time=decode,
@@ -249,8 +282,14 @@ class Tracker:
 
     def _arrived(self, event: RequestEvent) -> None:
         rid, ts = event.request_id, event.timestamp
-        if (type(rid) is not str or len(rid) > MAX_ID_LENGTH or not _valid_time(ts) or not is_count(event.prompt_tokens)
-                or not is_count(event.max_tokens) or not is_count(event.num_cached_tokens)):
+        if (
+            type(rid) is not str
+            or len(rid) > MAX_ID_LENGTH
+            or not _valid_time(ts)
+            or not is_count(event.prompt_tokens)
+            or not is_count(event.max_tokens)
+            or not is_count(event.num_cached_tokens)
+        ):
             self.sink.dropped(INVALID_VALUE, event)
             return
         if rid in self.inflight:

@@ -34,24 +34,45 @@ def require_parameters(func: Optional[Callable[..., Any]], expected: Sequence[st
     """``func``'s parameters, ``self`` aside, start with ``expected`` (in order)."""
     require(callable(func), f"{what} exists")
     params = [p for p in inspect.signature(func).parameters if p != "self"]  # type: ignore[arg-type]
-    require(params[: len(expected)] == list(expected), f"{what} takes ({', '.join(expected)}, ...); found ({', '.join(params)})")
+    require(
+        params[: len(expected)] == list(expected),
+        f"{what} takes ({', '.join(expected)}, ...); found ({', '.join(params)})",
+    )
 
 
 # Contract name -> (module of this package, its check function, what the telemetry does when the
 # contract does not hold).
 CONTRACTS: dict[str, tuple[str, str, str]] = {
-    "aggregation": ("aggregation", "check", "metrics are recorded through the SDK's instruments (one record() "
-                                            "or add() per observation)"),
-    "exponential_mapping": ("exponential_mapping", "check", "with exponential histograms, metrics are recorded "
-                                                            "through the SDK's instruments"),
-    "views": ("views", "check", "a MeterProvider's Views cannot be read: metrics are recorded through the SDK's "
-                                "instruments; the OTLP reader cannot have Views of its own"),
+    "aggregation": (
+        "aggregation",
+        "check",
+        "metrics are recorded through the SDK's instruments (one record() or add() per observation)",
+    ),
+    "exponential_mapping": (
+        "exponential_mapping",
+        "check",
+        "with exponential histograms, metrics are recorded through the SDK's instruments",
+    ),
+    "views": (
+        "views",
+        "check",
+        "a MeterProvider's Views cannot be read: metrics are recorded through the SDK's "
+        "instruments; the OTLP reader cannot have Views of its own",
+    ),
     "tracer": ("tracer", "check", "request spans go through the Tracer API (live spans)"),
-    "batch_processor": ("batch_processor", "check", "spans and log records that a batch processor drops (queue "
-                                                    "full, after shutdown) are not counted on otel_llm.dropped_events"),
+    "batch_processor": (
+        "batch_processor",
+        "check",
+        "spans and log records that a batch processor drops (queue "
+        "full, after shutdown) are not counted on otel_llm.dropped_events",
+    ),
     "metric_exporter": ("metric_exporter", "check", "OTLP metric exports are neither counted nor backed off"),
-    "prometheus": ("prometheus", "check", "the Prometheus endpoint renders through the exporter's own collector: "
-                                          "no exemplars, le as the exporter writes it"),
+    "prometheus": (
+        "prometheus",
+        "check",
+        "the Prometheus endpoint renders through the exporter's own collector: "
+        "no exemplars, le as the exporter writes it",
+    ),
     "prometheus_collector": ("prometheus", "check_collector", "no Prometheus endpoint"),
     "log_events": ("logs", "check", "no preemption log events (the span events stay)"),
 }
@@ -74,9 +95,12 @@ def unmet() -> dict[str, str]:
                     found[name] = f"{type(exc).__name__}: {exc}" if not isinstance(exc, ContractError) else str(exc)
             _unmet = found
             if found:
-                _log.warning("otel_llm: the installed OpenTelemetry SDK (%s) does not meet what otel_llm's fast "
-                             "paths rely on; the public paths are used instead:\n%s", sdk_versions(),
-                             "\n".join(f"- {name}: {what} -> {CONTRACTS[name][2]}" for name, what in found.items()))
+                _log.warning(
+                    "otel_llm: the installed OpenTelemetry SDK (%s) does not meet what otel_llm's fast "
+                    "paths rely on; the public paths are used instead:\n%s",
+                    sdk_versions(),
+                    "\n".join(f"- {name}: {what} -> {CONTRACTS[name][2]}" for name, what in found.items()),
+                )
         return _unmet
 
 

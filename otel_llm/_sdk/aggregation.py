@@ -23,26 +23,41 @@ _MODULE = "opentelemetry.sdk.metrics._internal.aggregation"
 
 def check() -> None:
     require(ExplicitBucketHistogramAggregation is not object, f"{_MODULE}._ExplicitBucketHistogramAggregation exists")
-    require(ExponentialBucketHistogramAggregation is not object,
-            f"{_MODULE}._ExponentialBucketHistogramAggregation exists")
-    require_parameters(getattr(Aggregation, "_create_aggregation", None),
-                       ["instrument", "attributes", "reservoir_factory", "start_time_unix_nano"],
-                       "Aggregation._create_aggregation")
-    require_parameters(ExplicitBucketHistogramAggregation.__init__,
-                       ["attributes", "instrument_aggregation_temporality", "start_time_unix_nano",
-                        "reservoir_builder", "boundaries"], "_ExplicitBucketHistogramAggregation.__init__")
-    require_parameters(ExponentialBucketHistogramAggregation.__init__,
-                       ["attributes", "reservoir_builder", "instrument_aggregation_temporality",
-                        "start_time_unix_nano"], "_ExponentialBucketHistogramAggregation.__init__")
+    require(
+        ExponentialBucketHistogramAggregation is not object, f"{_MODULE}._ExponentialBucketHistogramAggregation exists"
+    )
+    require_parameters(
+        getattr(Aggregation, "_create_aggregation", None),
+        ["instrument", "attributes", "reservoir_factory", "start_time_unix_nano"],
+        "Aggregation._create_aggregation",
+    )
+    require_parameters(
+        ExplicitBucketHistogramAggregation.__init__,
+        ["attributes", "instrument_aggregation_temporality", "start_time_unix_nano", "reservoir_builder", "boundaries"],
+        "_ExplicitBucketHistogramAggregation.__init__",
+    )
+    require_parameters(
+        ExponentialBucketHistogramAggregation.__init__,
+        ["attributes", "reservoir_builder", "instrument_aggregation_temporality", "start_time_unix_nano"],
+        "_ExponentialBucketHistogramAggregation.__init__",
+    )
     for cls in (ExplicitBucketHistogramAggregation, ExponentialBucketHistogramAggregation):
-        require_parameters(getattr(cls, "aggregate", None), ["measurement", "should_sample_exemplar"],
-                           f"{cls.__name__}.aggregate")
-        require_parameters(getattr(cls, "collect", None), ["collection_aggregation_temporality",
-                                                           "collection_start_nano"], f"{cls.__name__}.collect")
+        require_parameters(
+            getattr(cls, "aggregate", None), ["measurement", "should_sample_exemplar"], f"{cls.__name__}.aggregate"
+        )
+        require_parameters(
+            getattr(cls, "collect", None),
+            ["collection_aggregation_temporality", "collection_start_nano"],
+            f"{cls.__name__}.collect",
+        )
     # Points are wrapped by the aggregation's class (isinstance), not by the point's type.
     source = inspect.getsource(_storage.MetricReaderStorage.collect)
-    require("_ExplicitBucketHistogramAggregation" in source and "_ExponentialBucketHistogramAggregation" in source,
-            "MetricReaderStorage.collect wraps points by the histogram aggregation classes")
+    require(
+        "_ExplicitBucketHistogramAggregation" in source and "_ExponentialBucketHistogramAggregation" in source,
+        "MetricReaderStorage.collect wraps points by the histogram aggregation classes",
+    )
     # An asynchronous instrument's Observation reaches aggregate() with its context.
-    require("context" in inspect.signature(_measurement.Measurement).parameters,
-            "opentelemetry.sdk.metrics._internal.measurement.Measurement has a context")
+    require(
+        "context" in inspect.signature(_measurement.Measurement).parameters,
+        "opentelemetry.sdk.metrics._internal.measurement.Measurement has a context",
+    )

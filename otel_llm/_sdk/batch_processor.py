@@ -81,19 +81,25 @@ def check() -> None:
         require(hook is not None, "BatchSpanProcessor._batch_processor._metrics exists")
         require_parameters(getattr(hook, "drop_items", None), ["count", "error_type"], "_metrics.drop_items")
         require_parameters(getattr(hook, "finish_items", None), ["count"], "_metrics.finish_items")
-        require_parameters(getattr(hook, "register_queue_size", None), ["get_queue_size"],
-                           "_metrics.register_queue_size")
+        require_parameters(
+            getattr(hook, "register_queue_size", None), ["get_queue_size"], "_metrics.register_queue_size"
+        )
         queue = getattr(batch, "_queue", None)
-        require(type(queue) is collections.deque and queue.maxlen == 8,
-                "BatchProcessor._queue is a deque bounded by max_queue_size")
+        require(
+            type(queue) is collections.deque and queue.maxlen == 8,
+            "BatchProcessor._queue is a deque bounded by max_queue_size",
+        )
         source = inspect.getsource(type(batch))
-        require('drop_items(1, "already_shutdown")' in source,
-                "the BatchProcessor calls _metrics.drop_items(1, \"already_shutdown\") on each item dropped after "
-                "shutdown")
+        require(
+            'drop_items(1, "already_shutdown")' in source,
+            'the BatchProcessor calls _metrics.drop_items(1, "already_shutdown") on each item dropped after shutdown',
+        )
         mutations = sorted(set(_queue_calls(source)))
-        require(mutations == ["appendleft", "clear", "pop"],
-                f"the BatchProcessor adds to its _queue by appendleft and takes from it by pop (and clear); "
-                f"found {mutations}")
+        require(
+            mutations == ["appendleft", "clear", "pop"],
+            f"the BatchProcessor adds to its _queue by appendleft and takes from it by pop (and clear); "
+            f"found {mutations}",
+        )
     finally:
         processor.shutdown()
 

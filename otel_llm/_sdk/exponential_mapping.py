@@ -38,7 +38,7 @@ def index_at_max_scale(value: float) -> int:
 
 
 # Powers of two, subnormals, the extremes and ordinary values: every branch of the mapping.
-_PROBES = (1.0, 2.0, 0.5, 3.0, 1e-3, 0.1, 7.25, 1e9, 2.0 ** -1022, 5e-324, 1e-310, sys.float_info.max, 1.5e308)
+_PROBES = (1.0, 2.0, 0.5, 3.0, 1e-3, 0.1, 7.25, 1e9, 2.0**-1022, 5e-324, 1e-310, sys.float_info.max, 1.5e308)
 
 
 def check() -> None:
@@ -48,27 +48,37 @@ def check() -> None:
         require(hasattr(_MAPPING, attribute), f"{name}(20).{attribute} exists")
     for value in _PROBES:
         expected = _MAPPING.map_to_index(value)  # type: ignore[union-attr]
-        require(index_at_max_scale(value) == expected,
-                f"{name}(20).map_to_index({value!r}) == {expected}, as inlined (got {index_at_max_scale(value)})")
+        require(
+            index_at_max_scale(value) == expected,
+            f"{name}(20).map_to_index({value!r}) == {expected}, as inlined (got {index_at_max_scale(value)})",
+        )
     scales = _delta_scales()
-    require(len(scales) == 2 and scales[1] == MAX_SCALE,
-            f"the SDK's exponential histogram starts each delta interval at scale {MAX_SCALE} "
-            f"(interval scales: {scales})")
+    require(
+        len(scales) == 2 and scales[1] == MAX_SCALE,
+        f"the SDK's exponential histogram starts each delta interval at scale {MAX_SCALE} (interval scales: {scales})",
+    )
 
 
 def _delta_scales() -> list[int]:
     """Scales of two delta intervals of the SDK's own exponential histogram: a wide one, then one value."""
     reader = InMemoryMetricReader(preferred_temporality={Histogram: AggregationTemporality.DELTA})
-    provider = MeterProvider(metric_readers=[reader], views=[
-        View(instrument_name="otel_llm.contract", aggregation=ExponentialBucketHistogramAggregation())])
+    provider = MeterProvider(
+        metric_readers=[reader],
+        views=[View(instrument_name="otel_llm.contract", aggregation=ExponentialBucketHistogramAggregation())],
+    )
     try:
         histogram = provider.get_meter("otel_llm.contract").create_histogram("otel_llm.contract")
         scales = []
         for values in ((1.5, 1e6), (1.5,)):
             for value in values:
                 histogram.record(value)
-            scales += [p.scale for rm in reader.get_metrics_data().resource_metrics for sm in rm.scope_metrics
-                       for m in sm.metrics for p in m.data.data_points]
+            scales += [
+                p.scale
+                for rm in reader.get_metrics_data().resource_metrics
+                for sm in rm.scope_metrics
+                for m in sm.metrics
+                for p in m.data.data_points
+            ]
         return scales
     finally:
         provider.shutdown()

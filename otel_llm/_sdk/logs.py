@@ -21,5 +21,7 @@ ConsoleLogRecordExporter = getattr(_export, "ConsoleLogRecordExporter", None) or
 
 def check() -> None:
     params = inspect.signature(_logs_api.Logger.emit).parameters
-    require("event_name" in params and "context" in params and "attributes" in params,
-            "the Logs API's Logger.emit takes keyword arguments, event_name among them (SDK 1.38+)")
+    require(
+        "event_name" in params and "context" in params and "attributes" in params,
+        "the Logs API's Logger.emit takes keyword arguments, event_name among them (SDK 1.38+)",
+    )

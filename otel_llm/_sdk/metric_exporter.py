@@ -22,7 +22,11 @@ def check() -> None:
     temporality = {Counter: AggregationTemporality.DELTA}
     aggregation = {Counter: SumAggregation()}
     exporter = ConsoleMetricExporter(preferred_temporality=temporality, preferred_aggregation=aggregation)
-    require(getattr(exporter, "_preferred_temporality", None) == temporality,
-            "MetricExporter._preferred_temporality holds the preferred_temporality given")
-    require(getattr(exporter, "_preferred_aggregation", None) == aggregation,
-            "MetricExporter._preferred_aggregation holds the preferred_aggregation given")
+    require(
+        getattr(exporter, "_preferred_temporality", None) == temporality,
+        "MetricExporter._preferred_temporality holds the preferred_temporality given",
+    )
+    require(
+        getattr(exporter, "_preferred_aggregation", None) == aggregation,
+        "MetricExporter._preferred_aggregation holds the preferred_aggregation given",
+    )

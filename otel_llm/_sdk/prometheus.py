@@ -9,8 +9,7 @@ import inspect
 from typing import Any, Callable, Optional
 
 from opentelemetry.exporter import prometheus as _exporter
-from opentelemetry.exporter.prometheus import PrometheusMetricReader
-from opentelemetry.exporter.prometheus import _mapping
+from opentelemetry.exporter.prometheus import PrometheusMetricReader, _mapping
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from . import require, require_parameters
@@ -48,25 +47,39 @@ def check() -> None:
     require(CustomCollector is not object, "opentelemetry.exporter.prometheus._CustomCollector exists")
     require(get_or_create_family is not None, "opentelemetry.exporter.prometheus._get_or_create_family exists")
     require(map_unit is not None, "opentelemetry.exporter.prometheus._mapping.map_unit exists")
-    require({"disable_target_info", "prefix", "scope_info_enabled", "registry"} <= READER_PARAMETERS,
-            "PrometheusMetricReader takes disable_target_info, prefix, scope_info_enabled, registry")
-    require({"disable_target_info", "prefix", "scope_info_enabled", "resource_attribute_filter"}
-            <= set(inspect.signature(CustomCollector.__init__).parameters),
-            "_CustomCollector takes disable_target_info, prefix, scope_info_enabled, resource_attribute_filter")
-    require_parameters(getattr(CustomCollector, "_translate_metric", None),
-                       ["metric", "scope_attrs", "resource_attrs", "metric_family_id_metric_family"],
-                       "_CustomCollector._translate_metric")
-    require_parameters(getattr(CustomCollector, "_resolve_metric_name", None), ["name"],
-                       "_CustomCollector._resolve_metric_name")
-    require_parameters(getattr(CustomCollector, "_collect_data_points", None),
-                       ["metric_data", "scope_attrs", "resource_attrs"], "_CustomCollector._collect_data_points")
+    require(
+        {"disable_target_info", "prefix", "scope_info_enabled", "registry"} <= READER_PARAMETERS,
+        "PrometheusMetricReader takes disable_target_info, prefix, scope_info_enabled, registry",
+    )
+    require(
+        {"disable_target_info", "prefix", "scope_info_enabled", "resource_attribute_filter"}
+        <= set(inspect.signature(CustomCollector.__init__).parameters),
+        "_CustomCollector takes disable_target_info, prefix, scope_info_enabled, resource_attribute_filter",
+    )
+    require_parameters(
+        getattr(CustomCollector, "_translate_metric", None),
+        ["metric", "scope_attrs", "resource_attrs", "metric_family_id_metric_family"],
+        "_CustomCollector._translate_metric",
+    )
+    require_parameters(
+        getattr(CustomCollector, "_resolve_metric_name", None), ["name"], "_CustomCollector._resolve_metric_name"
+    )
+    require_parameters(
+        getattr(CustomCollector, "_collect_data_points", None),
+        ["metric_data", "scope_attrs", "resource_attrs"],
+        "_CustomCollector._collect_data_points",
+    )
     require_parameters(get_or_create_family, ["registry", "family_id", "factory"], "_get_or_create_family")
-    require({"name", "documentation", "labels", "unit"} <= set(inspect.signature(get_or_create_family).parameters),
-            "_get_or_create_family takes name, documentation, labels, unit")
+    require(
+        {"name", "documentation", "labels", "unit"} <= set(inspect.signature(get_or_create_family).parameters),
+        "_get_or_create_family takes name, documentation, labels, unit",
+    )
     reader = PrometheusMetricReader(registry=CollectorRegistry(auto_describe=False))
-    require(isinstance(getattr(reader, "_collector", None), CustomCollector)
-            and getattr(reader._collector, "_callback", None) == reader.collect,
-            "PrometheusMetricReader._collector is its _CustomCollector, calling back reader.collect")
+    require(
+        isinstance(getattr(reader, "_collector", None), CustomCollector)
+        and getattr(reader._collector, "_callback", None) == reader.collect,
+        "PrometheusMetricReader._collector is its _CustomCollector, calling back reader.collect",
+    )
 
 
 def check_collector() -> None:
@@ -76,7 +89,9 @@ def check_collector() -> None:
         return
     reader = PrometheusMetricReader()
     try:
-        require(getattr(reader, "_collector", None) in getattr(REGISTRY, "_collector_to_names", {}),
-                "PrometheusMetricReader._collector is the collector it registered in REGISTRY")
+        require(
+            getattr(reader, "_collector", None) in getattr(REGISTRY, "_collector_to_names", {}),
+            "PrometheusMetricReader._collector is the collector it registered in REGISTRY",
+        )
     finally:
         REGISTRY.unregister(reader._collector)

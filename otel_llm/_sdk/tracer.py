@@ -48,13 +48,17 @@ def check() -> None:
     tracer: Any = TracerProvider().get_tracer("otel_llm.contract")
     require(isinstance(tracer, Tracer), "TracerProvider.get_tracer returns an SDK Tracer")
     require(isinstance(getattr(tracer, "_span_limits", None), SpanLimits), "Tracer._span_limits is a SpanLimits")
-    require(isinstance(getattr(tracer, "_instrumentation_scope", None), InstrumentationScope),
-            "Tracer._instrumentation_scope is an InstrumentationScope")
+    require(
+        isinstance(getattr(tracer, "_instrumentation_scope", None), InstrumentationScope),
+        "Tracer._instrumentation_scope is an InstrumentationScope",
+    )
     enabled = getattr(tracer, "_is_enabled", None)
     require(enabled is None or enabled() is True, "Tracer._is_enabled() is a bool, or absent (no tracer configurator)")
     if _RANDOM_TRACE_ID:
-        require(callable(getattr(tracer.id_generator, "is_trace_id_random", None)),
-                "IdGenerator.is_trace_id_random exists where TraceFlags.RANDOM_TRACE_ID does")
+        require(
+            callable(getattr(tracer.id_generator, "is_trace_id_random", None)),
+            "IdGenerator.is_trace_id_random exists where TraceFlags.RANDOM_TRACE_ID does",
+        )
     attributes = BoundedAttributes(4, {"a": 1}, immutable=False)
     require(getattr(attributes, "_immutable", None) is False, "BoundedAttributes._immutable")
     freeze(attributes)

@@ -40,21 +40,28 @@ def check() -> None:
     provider = MeterProvider(metric_readers=[reader], views=[view])
     try:
         config = getattr(provider, "_sdk_config", None)
-        require(dataclasses.is_dataclass(config) and list(getattr(config, "views", ())) == [view],
-                "MeterProvider._sdk_config is a dataclass with the provider's views")
+        require(
+            dataclasses.is_dataclass(config) and list(getattr(config, "views", ())) == [view],
+            "MeterProvider._sdk_config is a dataclass with the provider's views",
+        )
         require(getattr(view, "_instrument_name", None) == "otel_llm.contract", "View._instrument_name")
         require(hasattr(view, "_aggregation"), "View._aggregation")
         storages = getattr(getattr(provider, "_measurement_consumer", None), "_reader_storages", None)
-        require(isinstance(storages, Mapping) and reader in storages,
-                "MeterProvider._measurement_consumer._reader_storages maps each reader to its storage")
+        require(
+            isinstance(storages, Mapping) and reader in storages,
+            "MeterProvider._measurement_consumer._reader_storages maps each reader to its storage",
+        )
         storage_config = getattr(storages[reader], "_sdk_config", None)
-        require(dataclasses.is_dataclass(storage_config) and hasattr(storage_config, "views"),
-                "a reader storage's _sdk_config is a dataclass with views")
+        require(
+            dataclasses.is_dataclass(storage_config) and hasattr(storage_config, "views"),
+            "a reader storage's _sdk_config is a dataclass with views",
+        )
         # The storage reads its Views when an instrument first records.
         set_reader_views(provider, reader, [View(instrument_name="otel_llm.contract", name="otel_llm.renamed")])
         provider.get_meter("otel_llm.contract").create_counter("otel_llm.contract").add(1)
-        names = [m.name for rm in reader.get_metrics_data().resource_metrics for sm in rm.scope_metrics
-                 for m in sm.metrics]
+        names = [
+            m.name for rm in reader.get_metrics_data().resource_metrics for sm in rm.scope_metrics for m in sm.metrics
+        ]
         require(names == ["otel_llm.renamed"], f"a reader's own Views apply to its streams (got {names})")
     finally:
         provider.shutdown()

@@ -33,7 +33,7 @@ from otel_llm.metrics import METRICS, request_token_buckets
 
 _log = logging.getLogger(__name__)
 
-__all__ = ["OtelStatLogger", "FieldReader", "use_handle", "reset"]
+__all__ = ["OtelStatLogger", "FieldReader", "use_handle", "reset"]  # noqa: F822 - OtelStatLogger: module __getattr__
 
 DEFAULT_PREEMPTION_REASON = "kv_cache_full"
 SIBLING_SPAN_NAME = "llm_request.scheduling"  # our span's name when vLLM traces requests itself
@@ -80,7 +80,7 @@ class FieldReader:
             return getattr(obj, field)
         except AttributeError:
             self.warn_once(type(obj).__name__, field, f"is missing (vLLM changed its stats?): {metric} is not recorded")
-        except Exception as exc:  # a property that raises
+        except Exception as exc:  # noqa: BLE001 - a property that raises
             self.warn_once(type(obj).__name__, field, f"cannot be read ({exc!r}): {metric} is not recorded")
         return _MISSING
 
@@ -93,10 +93,14 @@ class FieldReader:
             return None
         if value is None:
             return None  # documented as optional by vLLM (e.g. max_tokens_param)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or (
-                isinstance(value, float) and math.isnan(value)):
-            self.warn_once(type(obj).__name__, field,
-                           f"has an unexpected value {value!r} (not a number): {metric} is not recorded")
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or (isinstance(value, float) and math.isnan(value))
+        ):
+            self.warn_once(
+                type(obj).__name__, field, f"has an unexpected value {value!r} (not a number): {metric} is not recorded"
+            )
             return None
         return value
 
@@ -110,7 +114,8 @@ class FieldReader:
             self.warn_once(type(obj).__name__, field, f"is not a list ({value!r}): {metric} is not recorded")
             return ()
         if not _NUMBERS.issuperset(map(type, items)) and not all(
-                isinstance(v, (int, float)) and not isinstance(v, bool) for v in items):
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in items
+        ):
             self.warn_once(type(obj).__name__, field, f"holds non-numbers: {metric} is not recorded")
             return tuple(v for v in items if isinstance(v, (int, float)) and not isinstance(v, bool))
         return items
@@ -144,7 +149,7 @@ def reset() -> None:
     if handle is not None and owned:
         try:
             handle.shutdown()
-        except Exception:  # pragma: no cover - shutdown must not raise into vLLM
+        except Exception:  # noqa: BLE001 - shutdown must not raise into vLLM
             _log.exception("otel-llm: shutting down the telemetry failed")
 
 
@@ -166,8 +171,12 @@ def _setup(config: Any, extra_views: Sequence[Any]) -> Any:
     except OSError as exc:
         exporters = config.with_env_defaults(os.environ).metrics_exporters or ()
         others = tuple(e for e in exporters if e != "prometheus") or ("none",)
-        _log.warning("otel-llm: no /metrics endpoint in this process (%s; OTEL_LLM_PROMETHEUS_PORTS=N gives each "
-                     "process on a host a port of its own); metrics exporters %s and traces go on", exc, ",".join(others))
+        _log.warning(
+            "otel-llm: no /metrics endpoint in this process (%s; OTEL_LLM_PROMETHEUS_PORTS=N gives each "
+            "process on a host a port of its own); metrics exporters %s and traces go on",
+            exc,
+            ",".join(others),
+        )
         return setup_telemetry(dataclasses.replace(config, metrics_exporters=others), extra_views=extra_views)
 
 
@@ -232,8 +241,11 @@ class _Impl:
             # events, is an internal sibling under the same parent, not a second llm_request.
             self.config = dataclasses.replace(self.config, span_name=SIBLING_SPAN_NAME, span_kind="internal")
         # Created at start at zero as vLLM creates its series: the histograms vLLM has too.
-        self._zero_histograms = [m.key for m in METRICS if m.kind == "histogram"
-                                 and self.series is not None and m.vllm in self.series.families]
+        self._zero_histograms = [
+            m.key
+            for m in METRICS
+            if m.kind == "histogram" and self.series is not None and m.vllm in self.series.families
+        ]
         self.telemetry: dict[int, Any] = {}
         for idx in engine_indexes:
             self._engine(idx)
@@ -257,9 +269,13 @@ class _Impl:
         have = {v.series_name for v in getattr(self.handle, "extra_views", ()) if isinstance(v, SeriesView)}
         left_out = self.series.bind(provider, have.__contains__)  # type: ignore[union-attr]
         if left_out:
-            _log.warning("otel-llm vLLM adapter: %d of vLLM's series are not exported, their Views are not on the "
-                         "MeterProvider (build it with setup_telemetry(config, extra_views=VllmSeries(vllm_config, "
-                         "engine_indexes).views())): %s", len(left_out), ", ".join(sorted(left_out)))
+            _log.warning(
+                "otel-llm vLLM adapter: %d of vLLM's series are not exported, their Views are not on the "
+                "MeterProvider (build it with setup_telemetry(config, extra_views=VllmSeries(vllm_config, "
+                "engine_indexes).views())): %s",
+                len(left_out),
+                ", ".join(sorted(left_out)),
+            )
 
     def _from_vllm_config(self, vllm_config: Any) -> tuple[Optional[str], Optional[int]]:
         model_config = getattr(vllm_config, "model_config", None)
@@ -269,8 +285,10 @@ class _Impl:
         if isinstance(served, (list, tuple)) and served:
             served = served[0]
         max_len = self.reader.number(model_config, "max_model_len", "the request token buckets")
-        return (served if isinstance(served, str) and served else None,
-                int(max_len) if max_len is not None and max_len >= 1 else None)
+        return (
+            served if isinstance(served, str) and served else None,
+            int(max_len) if max_len is not None and max_len >= 1 else None,
+        )
 
     def _engine(self, idx: int) -> Any:
         tel = self.telemetry.get(idx)
@@ -281,18 +299,29 @@ class _Impl:
             handle, engine = self.handle, str(idx)
             default = getattr(handle, "telemetry", None)
             cfg = getattr(default, "config", None)
-            if cfg is not None and cfg.model_name == self.model_name and cfg.engine == engine and (
-                    cfg.span_name == self.config.span_name) and default not in self.telemetry.values():
+            if (
+                cfg is not None
+                and cfg.model_name == self.model_name
+                and cfg.engine == engine
+                and (cfg.span_name == self.config.span_name)
+                and default not in self.telemetry.values()
+            ):
                 tel = default  # setup_telemetry's own EngineTelemetry, when its settings fit
             elif hasattr(handle, "new_telemetry"):
-                tel = handle.new_telemetry(model_name=self.model_name, engine=engine, span_name=self.config.span_name,
-                                           span_kind=self.config.span_kind)
+                tel = handle.new_telemetry(
+                    model_name=self.model_name,
+                    engine=engine,
+                    span_name=self.config.span_name,
+                    span_kind=self.config.span_kind,
+                )
             else:
                 import otel_llm
 
-                tel = otel_llm.EngineTelemetry(dataclasses.replace(self.config, engine=engine),
-                                               meter_provider=handle.meter_provider,
-                                               tracer_provider=handle.tracer_provider)
+                tel = otel_llm.EngineTelemetry(
+                    dataclasses.replace(self.config, engine=engine),
+                    meter_provider=handle.meter_provider,
+                    tracer_provider=handle.tracer_provider,
+                )
             tel.metrics.show_zero_series(_finish_reasons(), self._zero_histograms)
             self.telemetry[idx] = tel
         return tel
@@ -327,10 +356,17 @@ class _Impl:
             finish = a.abort_time - offset
             preemptions = tuple((ts, 0, DEFAULT_PREEMPTION_REASON) for ts in a.trace.preempted_at)
             summary = _summary_class()(
-                request_id=a.request_id, finish_reason="abort", arrival_time=a.arrival_time - offset,
-                finish_time=finish, prompt_tokens=a.prompt_tokens, generation_tokens=a.generation_tokens,
-                max_tokens=a.max_tokens, num_preemptions=len(preemptions),
-                preempted_time=a.trace.preempted_time(finish), preemptions=preemptions)
+                request_id=a.request_id,
+                finish_reason="abort",
+                arrival_time=a.arrival_time - offset,
+                finish_time=finish,
+                prompt_tokens=a.prompt_tokens,
+                generation_tokens=a.generation_tokens,
+                max_tokens=a.max_tokens,
+                num_preemptions=len(preemptions),
+                preempted_time=a.trace.preempted_time(finish),
+                preemptions=preemptions,
+            )
             tel.record_finished(summary, a.trace.carrier, metrics=False)
 
     def call_series(self, method: str, *args: Any, **kwargs: Any) -> None:
@@ -340,11 +376,15 @@ class _Impl:
             return
         try:
             getattr(self.series.logger, method)(*args, **kwargs)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - vLLM's own logger code must not break the telemetry's hook
             if method not in self._series_failed:
                 self._series_failed.add(method)
-                _log.warning("otel-llm vLLM adapter: vLLM's PrometheusStatLogger.%s failed (%r): vLLM's series beyond "
-                             "the core metrics may be incomplete (reported once)", method, exc)
+                _log.warning(
+                    "otel-llm vLLM adapter: vLLM's PrometheusStatLogger.%s failed (%r): vLLM's series beyond "
+                    "the core metrics may be incomplete (reported once)",
+                    method,
+                    exc,
+                )
 
     def _record_step(self, tel: Any, idx: int, sched: Any, it: Any, offset: float) -> None:
         from otel_llm.events import StepStats
@@ -371,8 +411,15 @@ class _Impl:
             now = ts - offset
         if sched is None and idx not in self._last_sched and batched is None:
             return
-        tel.on_step(StepStats(timestamp=now, num_running=running, num_waiting=waiting,
-                              kv_cache_usage=usage, num_batched_tokens=batched))
+        tel.on_step(
+            StepStats(
+                timestamp=now,
+                num_running=running,
+                num_waiting=waiting,
+                kv_cache_usage=usage,
+                num_batched_tokens=batched,
+            )
+        )
         if sched is not None and self.gauges is not None:
             self.gauges.publish(idx, running, waiting, usage)
 
@@ -396,9 +443,14 @@ class _Impl:
         prompt = r.number(it, "num_prompt_tokens", "vllm:prompt_tokens")
         gen = r.number(it, "num_generation_tokens", "vllm:generation_tokens")
         preempted = r.number(it, "num_preempted_reqs", "vllm:num_preemptions")
-        tel.record_iteration(ttfts=ttfts, itls=itls, prompt_tokens=int(prompt or 0),
-                             generation_tokens=int(gen or 0), num_preemptions=int(preempted or 0),
-                             preemption_reason=DEFAULT_PREEMPTION_REASON)
+        tel.record_iteration(
+            ttfts=ttfts,
+            itls=itls,
+            prompt_tokens=int(prompt or 0),
+            generation_tokens=int(gen or 0),
+            num_preemptions=int(preempted or 0),
+            preemption_reason=DEFAULT_PREEMPTION_REASON,
+        )
         finished = r.raw(it, "finished_requests", "the per-request metrics and spans")
         if finished is _MISSING or not finished:
             return
@@ -447,8 +499,9 @@ class _Impl:
             prefill_time=r.number(f, "prefill_time", "vllm:request_prefill_time_seconds"),
             decode_time=r.number(f, "decode_time", "vllm:request_decode_time_seconds"),
             inference_time=r.number(f, "inference_time", "vllm:request_inference_time_seconds"),
-            time_per_output_token=r.number(f, "mean_time_per_output_token",
-                                           "vllm:request_time_per_output_token_seconds"),
+            time_per_output_token=r.number(
+                f, "mean_time_per_output_token", "vllm:request_time_per_output_token_seconds"
+            ),
             preempted_time=preempted_time,
             recomputed_tokens=0,
             cached_tokens=_int(getattr(f, "num_cached_tokens", 0)) or 0,
@@ -460,7 +513,7 @@ class _Impl:
         if handle is not None:
             try:
                 handle.force_flush()
-            except Exception:
+            except Exception:  # noqa: BLE001 - a flush must not raise into vLLM
                 _log.exception("otel-llm: flushing the telemetry failed")
 
 
@@ -530,7 +583,7 @@ def _finish_reasons() -> tuple[str, ...]:
         from vllm.v1.engine import FinishReason
 
         return tuple(str(reason) for reason in FinishReason)
-    except Exception:  # a vLLM without it: the reasons every vLLM has
+    except Exception:  # noqa: BLE001 - a vLLM without it: the reasons every vLLM has
         return ("stop", "length", "abort", "error")
 
 
@@ -539,9 +592,12 @@ def _series(vllm_config: Any, engine_indexes: list[int], naming: str) -> Any:
         from .vllm_series import VllmSeries
 
         return VllmSeries(vllm_config, engine_indexes, naming)
-    except Exception as exc:
-        _log.warning("otel-llm vLLM adapter: vLLM's series beyond the core metrics are not recorded, their "
-                     "logger could not be built (%r)", exc)
+    except Exception as exc:  # noqa: BLE001 - vLLM's series are optional: the core metrics stay
+        _log.warning(
+            "otel-llm vLLM adapter: vLLM's series beyond the core metrics are not recorded, their "
+            "logger could not be built (%r)",
+            exc,
+        )
         return None
 
 
@@ -552,7 +608,7 @@ def _shared_gauges(vllm_config: Any, series: Any, telemetry: dict[int, Any]) -> 
         from .vllm_gauges import share
 
         return share(vllm_config, series, telemetry)
-    except Exception:
+    except Exception:  # noqa: BLE001 - sharing is optional: per-process gauges stay
         _log.exception("otel-llm vLLM adapter: the scheduler gauges stay per API server, sharing them failed")
         return None
 
@@ -570,7 +626,7 @@ def _guard(method: Callable) -> Callable:
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         try:
             return method(self, *args, **kwargs)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - nothing raises into vLLM from a stat-logger call
             key = type(exc).__name__
             if key not in seen:
                 seen.add(key)
@@ -594,8 +650,9 @@ def _make_logger_class() -> type:
         vLLMs' per-engine adapter.
         """
 
-        def __init__(self, vllm_config: Any, engine_indexes: Any = None, engine_index: Any = None,
-                     **kwargs: Any) -> None:
+        def __init__(
+            self, vllm_config: Any, engine_indexes: Any = None, engine_index: Any = None, **kwargs: Any
+        ) -> None:
             if engine_indexes is None:
                 engine_indexes = [engine_index if isinstance(engine_index, int) else 0]
             elif isinstance(engine_indexes, int):
@@ -607,13 +664,19 @@ def _make_logger_class() -> type:
                 self._impl = _Impl(vllm_config, self.engine_indexes)
             except ValueError as exc:  # a bad setting (OTEL_*, OTEL_LLM_*): its name and the rule, one line
                 _log.error("otel-llm vLLM adapter: telemetry disabled, vLLM serves on: %s", exc)
-            except Exception:
-                # Whatever else fails at start must not stop vLLM from serving either.
+            except Exception:  # noqa: BLE001 - whatever else fails at start must not stop vLLM from serving
                 _log.exception("otel-llm vLLM adapter: telemetry disabled, it could not start")
 
         @_guard
-        def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
-                   engine_idx: int = 0, *args: Any, **kwargs: Any) -> None:
+        def record(
+            self,
+            scheduler_stats: Any,
+            iteration_stats: Any,
+            mm_cache_stats: Any = None,
+            engine_idx: int = 0,
+            *args: Any,
+            **kwargs: Any,
+        ) -> None:
             if self._impl is not None:
                 self._impl.record(scheduler_stats, iteration_stats, engine_idx, mm_cache_stats)
 
@@ -621,9 +684,12 @@ def _make_logger_class() -> type:
         def log_engine_initialized(self) -> None:
             if self._impl is not None:
                 self._impl.call_series("log_engine_initialized")
-                _log.info("otel-llm: recording vLLM stats for model %r, engines %s (deep hook %s)",
-                          self._impl.config.model_name, self.engine_indexes,
-                          "on" if self._impl._deep_hook is not None else "off")
+                _log.info(
+                    "otel-llm: recording vLLM stats for model %r, engines %s (deep hook %s)",
+                    self._impl.config.model_name,
+                    self.engine_indexes,
+                    "on" if self._impl._deep_hook is not None else "off",
+                )
 
         @_guard
         def log(self) -> None:

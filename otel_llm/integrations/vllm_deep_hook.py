@@ -55,8 +55,7 @@ MAX_ABORTED = 4096
 _lock = threading.Lock()
 _state: dict[str, Any] = {"installed": False, "failed": None, "originals": []}
 # The trace headers of the request being added, from AsyncLLM.add_request to OutputProcessor.add_request.
-_adding_headers: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("otel_llm_trace_headers",
-                                                                                 default=None)
+_adding_headers: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("otel_llm_trace_headers", default=None)
 
 
 def enabled(environ: Optional[dict] = None) -> bool:
@@ -73,7 +72,7 @@ def register() -> None:
     try:
         if enabled():
             install()
-    except Exception:  # pragma: no cover - defensive
+    except Exception:  # noqa: BLE001 - registration must not stop vLLM: the plain plugin stays
         _log.exception("otel-llm deep hook: registration failed; falling back")
 
 
@@ -111,8 +110,15 @@ class RequestTrace:
 class AbortedRequest:
     """An aborted request as the output processor knew it (wall-clock times)."""
 
-    __slots__ = ("request_id", "arrival_time", "abort_time", "prompt_tokens", "max_tokens", "generation_tokens",
-                 "trace")
+    __slots__ = (
+        "request_id",
+        "arrival_time",
+        "abort_time",
+        "prompt_tokens",
+        "max_tokens",
+        "generation_tokens",
+        "trace",
+    )
 
     def __init__(self, req_state: Any) -> None:
         stats = getattr(req_state, "stats", None)
@@ -146,7 +152,7 @@ def _version_ok() -> tuple[bool, str]:
         import vllm
 
         version = str(getattr(vllm, "__version__", "0"))
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - any import failure means no deep hook
         return False, f"vLLM is not importable ({exc!r})"
     parts = []
     for piece in version.split(".")[:2]:
@@ -176,7 +182,7 @@ def _shape_ok(stats_cls: type) -> Optional[str]:
         return f"IterationStats.update_from_finished_request has parameters {q}"
     try:
         probe = stats_cls()
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - any failure means vLLM's class changed shape: no deep hook
         return f"IterationStats() cannot be built ({exc!r})"
     if not isinstance(getattr(probe, "finished_requests", None), list):
         return "IterationStats has no finished_requests list"
@@ -192,15 +198,18 @@ def install() -> bool:
             return False
         try:
             reason = _install()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any install failure means no deep hook, reported once
             reason = f"unexpected error {exc!r}"
         if reason is None:
             _state["installed"] = True
             _log.info("otel-llm deep hook: attached to vLLM's IterationStats (per-preemption timing on)")
             return True
         _state["failed"] = reason
-        _log.warning("otel-llm deep hook: not attached (%s); falling back to stat-logger data "
-                     "(exact preemption counts, no per-preemption timestamps)", reason)
+        _log.warning(
+            "otel-llm deep hook: not attached (%s); falling back to stat-logger data "
+            "(exact preemption counts, no per-preemption timestamps)",
+            reason,
+        )
         return False
 
 
@@ -231,8 +240,9 @@ def _install() -> Optional[str]:
             warned.add(what)
             _log.warning("otel-llm deep hook: %s failed (%r); that request keeps the fallback data", what, exc)
 
-    def update_from_events(self: Any, req_id: Any, events: Any, is_prefilling: Any, req_stats: Any,
-                           *args: Any, **kwargs: Any) -> Any:
+    def update_from_events(
+        self: Any, req_id: Any, events: Any, is_prefilling: Any, req_stats: Any, *args: Any, **kwargs: Any
+    ) -> Any:
         result = orig_events(self, req_id, events, is_prefilling, req_stats, *args, **kwargs)
         try:
             if events:
@@ -241,7 +251,7 @@ def _install() -> Optional[str]:
                     trace = RequestTrace()
                     setattr(req_stats, TRACE_ATTR, trace)
                 trace.events.extend((int(e.type), float(e.timestamp)) for e in events)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - never into vLLM's engine core
             warn_once("recording engine-core events", exc)
         return result
 
@@ -258,7 +268,7 @@ def _install() -> Optional[str]:
                 ftl = getattr(req_stats, "first_token_latency", None)
                 trace.first_token_latency = ftl if isinstance(ftl, (int, float)) and ftl > 0 else None
                 setattr(self.finished_requests[-1], TRACE_ATTR, trace)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - never into vLLM's output processor
             warn_once("attaching the trace to FinishedRequestStats", exc)
         return result
 
@@ -266,8 +276,11 @@ def _install() -> Optional[str]:
     _wrap(cls, "update_from_finished_request", update_from_finished_request)
     problem = _install_trace_context_capture(warn_once)
     if problem:
-        _log.warning("otel-llm deep hook: the caller's trace context is not kept (%s); request spans are roots "
-                     "unless vLLM's own tracing is on", problem)
+        _log.warning(
+            "otel-llm deep hook: the caller's trace context is not kept (%s); request spans are roots "
+            "unless vLLM's own tracing is on",
+            problem,
+        )
     return None
 
 
@@ -277,7 +290,7 @@ def _wrap(owner: type, name: str, wrapper: Callable) -> None:
     wrapper.__qualname__ = original.__qualname__
     wrapper.__doc__ = original.__doc__
     setattr(wrapper, _MARK, True)
-    setattr(wrapper, "__wrapped__", original)
+    wrapper.__wrapped__ = original
     _state["originals"].append((owner, name, original))
     setattr(owner, name, wrapper)
 
@@ -298,7 +311,7 @@ def _install_trace_context_capture(warn_once: Callable[[str, BaseException], Non
         headers = None
         try:
             headers = signature.bind(self, *args, **kwargs).arguments.get("trace_headers")
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - never into vLLM's request path
             warn_once("reading the trace headers", exc)
         token = _adding_headers.set(dict(headers) if headers else None)
         try:
@@ -321,7 +334,7 @@ def _install_trace_context_capture(warn_once: Callable[[str, BaseException], Non
                         trace = RequestTrace()
                         setattr(req_stats, TRACE_ATTR, trace)
                     trace.carrier = headers
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - never into vLLM's request path
             warn_once("keeping the trace headers", exc)
         return result
 
@@ -332,7 +345,7 @@ def _install_trace_context_capture(warn_once: Callable[[str, BaseException], Non
         result = abort(self, *args, **kwargs)
         try:
             aborted.extend(AbortedRequest(state) for rid, state in before.items() if rid not in self.request_states)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - never into vLLM's abort path
             warn_once("keeping aborted requests", exc)
         return result
 

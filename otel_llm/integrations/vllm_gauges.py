@@ -41,9 +41,15 @@ __all__ = ["SharedRecord", "SchedulerGauges", "share", "SCHEDULER_GAUGES"]
 
 # vLLM's "mostrecent" gauges that its logger sets from SchedulerStats. The first three are the
 # core telemetry's (metric keys in CORE_KEYS); the others are VllmSeries families.
-SCHEDULER_GAUGES = frozenset({"vllm:num_requests_running", "vllm:num_requests_waiting",
-                              "vllm:kv_cache_usage_perc", "vllm:num_requests_waiting_by_reason",
-                              "vllm:num_requests_kv_fetch_by_stage"})
+SCHEDULER_GAUGES = frozenset(
+    {
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:num_requests_waiting_by_reason",
+        "vllm:num_requests_kv_fetch_by_stage",
+    }
+)
 CORE_KEYS = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
 _CORE_POSITION = {key: position for position, key in enumerate(CORE_KEYS)}
 DESIGNATED_RANK = 0
@@ -79,7 +85,7 @@ class SharedRecord:
             os.close(fd)
         self._seqs = [0] * slots
         for slot in range(slots):  # a left-over file of a dead serve: its records are not ours
-            self._map[self._offset(rank, slot):self._offset(rank, slot) + self._stride] = bytes(self._stride)
+            self._map[self._offset(rank, slot) : self._offset(rank, slot) + self._stride] = bytes(self._stride)
 
     def _offset(self, rank: int, slot: int) -> int:
         return (rank * self.slots + slot) * self._stride
@@ -89,7 +95,7 @@ class SharedRecord:
         seq = self._seqs[slot] + 1
         body = self._body.pack(time.monotonic(), *values)
         _SEQ.pack_into(m, off, seq)
-        m[off + _SEQ.size:off + self._crc_at] = body
+        m[off + _SEQ.size : off + self._crc_at] = body
         _CRC.pack_into(m, off + self._crc_at, zlib.crc32(body))
         _SEQ.pack_into(m, off, seq + 1)
         self._seqs[slot] = seq + 1
@@ -103,7 +109,7 @@ class SharedRecord:
             before = _SEQ.unpack_from(m, off)[0]
             if not before:
                 return None
-            body = m[off + _SEQ.size:off + self._crc_at]
+            body = m[off + _SEQ.size : off + self._crc_at]
             crc = _CRC.unpack_from(m, off + self._crc_at)[0]
             if not before & 1 and _SEQ.unpack_from(m, off)[0] == before and zlib.crc32(body) == crc:
                 return self._body.unpack(body)
@@ -213,23 +219,37 @@ def share(vllm_config: Any, series: Any, telemetry: Mapping[int, Any]) -> Option
     engines = {idx: _series_values(series, idx) for idx in telemetry}
     widths = {len(values) for values in engines.values()}
     if len(widths) != 1 or not all(isinstance(getattr(t.metrics, "gauges", None), dict) for t in telemetry.values()):
-        _log.warning("otel-llm vLLM adapter: API server %d of %d reports the scheduler gauges as of the outputs it "
-                     "handled (they cannot be shared with this telemetry): sum them over processes with care",
-                     rank, count)
+        _log.warning(
+            "otel-llm vLLM adapter: API server %d of %d reports the scheduler gauges as of the outputs it "
+            "handled (they cannot be shared with this telemetry): sum them over processes with care",
+            rank,
+            count,
+        )
         return None
     width = len(CORE_KEYS) + widths.pop()
     path = os.path.join(_directory(), f"otel-llm-vllm-{serve_key()}-{count}x{len(engines)}x{width}")
     try:
         record = SharedRecord(path, count, rank, len(engines), width)
     except (OSError, ValueError) as exc:
-        _log.warning("otel-llm vLLM adapter: API server %d of %d reports the scheduler gauges as of the outputs it "
-                     "handled: the shared record %s cannot be made (%s)", rank, count, path, exc)
+        _log.warning(
+            "otel-llm vLLM adapter: API server %d of %d reports the scheduler gauges as of the outputs it "
+            "handled: the shared record %s cannot be made (%s)",
+            rank,
+            count,
+            path,
+            exc,
+        )
         return None
     gauges = SchedulerGauges(record, engines)
     gauges.route(telemetry)
     _remove_at_exit(gauges)
-    _log.info("otel-llm: API server %d of %d, scheduler gauges shared through %s, reported by API server %d",
-              rank, count, path, DESIGNATED_RANK)
+    _log.info(
+        "otel-llm: API server %d of %d, scheduler gauges shared through %s, reported by API server %d",
+        rank,
+        count,
+        path,
+        DESIGNATED_RANK,
+    )
     return gauges
 
 

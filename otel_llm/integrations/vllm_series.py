@@ -57,8 +57,15 @@ class _Family:
 
     kind = ""
 
-    def __init__(self, series: "VllmSeries", name: str, documentation: str = "",
-                 labelnames: Sequence[str] = (), buckets: Optional[Sequence[float]] = None, **_: Any) -> None:
+    def __init__(
+        self,
+        series: "VllmSeries",
+        name: str,
+        documentation: str = "",
+        labelnames: Sequence[str] = (),
+        buckets: Optional[Sequence[float]] = None,
+        **_: Any,
+    ) -> None:
         if self.kind == "counter" and name.endswith("_total"):
             name = name[: -len("_total")]  # prometheus_client's rule: the exported name gets it back
         self.name = name
@@ -270,8 +277,11 @@ class _Binding:
 
     def add(self, family: _Family, instrument: str) -> None:
         self.names.add(family.name)
-        create = {"counter": self.meter.create_observable_counter, "gauge": self.meter.create_observable_gauge,
-                  "histogram": self.meter.create_observable_counter}[family.kind]
+        create = {
+            "counter": self.meter.create_observable_counter,
+            "gauge": self.meter.create_observable_gauge,
+            "histogram": self.meter.create_observable_counter,
+        }[family.kind]
         create(instrument, [self._callback(family.name)], "", family.documentation)
 
     def _callback(self, name: str) -> Callable[[CallbackOptions], Iterator[Observation]]:
@@ -286,6 +296,7 @@ class _Binding:
                     value = child.value if child.read is None else child.read()
                     if value is not None:
                         yield Observation(value, dict(zip(family.otel_labels, key)))
+
         return callback
 
 

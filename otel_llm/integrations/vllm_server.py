@@ -29,8 +29,16 @@ from typing import Any, Mapping, Optional, Sequence
 LOOPBACK = "127.0.0.1"
 MODEL_NAME = "tiny-llama"
 MAX_MODEL_LEN = 256
-KV_PRESSURE_ARGS = ("--num-gpu-blocks-override", "12", "--block-size", "32", "--max-model-len", str(MAX_MODEL_LEN),
-                    "--max-num-seqs", "16")
+KV_PRESSURE_ARGS = (
+    "--num-gpu-blocks-override",
+    "12",
+    "--block-size",
+    "32",
+    "--max-model-len",
+    str(MAX_MODEL_LEN),
+    "--max-num-seqs",
+    "16",
+)
 SERVER_ARGS = ("--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager", *KV_PRESSURE_ARGS)
 VOCAB_SIZE = 512
 
@@ -41,8 +49,15 @@ def make_tiny_llama(path: Path, seed: int = 0) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=2, vocab_size=VOCAB_SIZE, max_position_embeddings=2 * MAX_MODEL_LEN)
+    config = LlamaConfig(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=VOCAB_SIZE,
+        max_position_embeddings=2 * MAX_MODEL_LEN,
+    )
     LlamaForCausalLM(config).save_pretrained(path)
     return path
 
@@ -56,8 +71,14 @@ def free_port() -> int:
 def server_environment(extra: Mapping[str, str] = ()) -> dict[str, str]:
     """The environment vLLM's CPU build needs, offline, without usage reports."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "VLLM_"))}
-    env.update(VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               VLLM_NO_USAGE_STATS="1", VLLM_CACHE_ROOT=tempfile.mkdtemp(prefix="vllm-cache-"))
+    env.update(
+        VLLM_TARGET_DEVICE="cpu",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_NO_USAGE_STATS="1",
+        VLLM_CACHE_ROOT=tempfile.mkdtemp(prefix="vllm-cache-"),
+    )
     env.update(extra)
     return env
 
@@ -73,13 +94,25 @@ class VllmServer:
     ``cli=True`` runs ``vllm serve`` instead (through :mod:`otel_llm.integrations.vllm_cli`), for
     the modes that only the command has: ``--api-server-count``, ``--data-parallel-size``."""
 
-    def __init__(self, model: Path, env: Mapping[str, str] = (), args: Sequence[str] = (),
-                 log_path: Optional[Path] = None, cli: bool = False) -> None:
+    def __init__(
+        self,
+        model: Path,
+        env: Mapping[str, str] = (),
+        args: Sequence[str] = (),
+        log_path: Optional[Path] = None,
+        cli: bool = False,
+    ) -> None:
         self.model = model
         self.port = free_port()
         self.metrics_port = free_port()  # the plugin's own /metrics
-        self.env = server_environment({"OTEL_METRICS_EXPORTER": "prometheus", "OTEL_TRACES_EXPORTER": "none",
-                                       "OTEL_EXPORTER_PROMETHEUS_PORT": str(self.metrics_port), **dict(env)})
+        self.env = server_environment(
+            {
+                "OTEL_METRICS_EXPORTER": "prometheus",
+                "OTEL_TRACES_EXPORTER": "none",
+                "OTEL_EXPORTER_PROMETHEUS_PORT": str(self.metrics_port),
+                **dict(env),
+            }
+        )
         self.args = list(args)
         self.cli = cli
         self.log_path = log_path or Path(tempfile.mkdtemp(prefix="vllm-server-")) / "server.log"
@@ -94,15 +127,34 @@ class VllmServer:
         return f"http://{LOOPBACK}:{self.metrics_port}/metrics"
 
     def command(self) -> list[str]:
-        start = (["-m", "otel_llm.integrations.vllm_cli", "serve", str(self.model)] if self.cli
-                 else ["-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model)])
-        return [sys.executable, *start, "--served-model-name", MODEL_NAME, "--host", LOOPBACK, "--port", str(self.port),
-                *SERVER_ARGS, *self.args]
+        start = (
+            ["-m", "otel_llm.integrations.vllm_cli", "serve", str(self.model)]
+            if self.cli
+            else ["-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model)]
+        )
+        return [
+            sys.executable,
+            *start,
+            "--served-model-name",
+            MODEL_NAME,
+            "--host",
+            LOOPBACK,
+            "--port",
+            str(self.port),
+            *SERVER_ARGS,
+            *self.args,
+        ]
 
     def start(self, timeout_s: float = 600.0, progress: Any = None) -> "VllmServer":
         log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self.command(), env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.command(),
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         log.close()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -161,9 +213,12 @@ def scrape(url: str, timeout: float = 30.0) -> dict[tuple[str, frozenset], float
     text = _get(url, timeout)
     if text is None:
         raise ServerFailed(f"{url} did not answer")
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples
-            if not s.name.endswith("_created")}
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if not s.name.endswith("_created")
+    }
 
 
 def traceparent(index: int, seed: int = 0) -> tuple[str, str, str]:
@@ -202,19 +257,21 @@ class Load:
 
     def prompts(self) -> list[list[int]]:
         rng = random.Random(self.seed)
-        return [[rng.randrange(3, VOCAB_SIZE) for _ in range(rng.randint(self.min_prompt, self.max_prompt))]
-                for _ in range(self.requests)]
+        return [
+            [rng.randrange(3, VOCAB_SIZE) for _ in range(rng.randint(self.min_prompt, self.max_prompt))]
+            for _ in range(self.requests)
+        ]
 
 
-async def _complete(session: Any, url: str, index: int, prompt: list[int], load: Load,
-                    semaphore: asyncio.Semaphore) -> Completion:
+async def _complete(
+    session: Any, url: str, index: int, prompt: list[int], load: Load, semaphore: asyncio.Semaphore
+) -> Completion:
     headers: dict[str, str] = {}
     result = Completion(index, 0, len(prompt), load.max_tokens)
     if load.traced:
         headers["traceparent"], result.trace_id, result.parent_span_id = traceparent(index, load.seed)
     headers.update(load.extra_headers.get(index, {}))
-    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": load.max_tokens, "temperature": 0,
-            "ignore_eos": True}
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": load.max_tokens, "temperature": 0, "ignore_eos": True}
     async with semaphore:
         start = time.monotonic()
         async with session.post(f"{url}/v1/completions", json=body, headers=headers) as response:
@@ -235,8 +292,11 @@ async def run_load_async(url: str, load: Load, timeout_s: float = 600.0) -> list
     semaphore = asyncio.Semaphore(load.concurrency)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with aiohttp.ClientSession(timeout=timeout) as session:
-        return list(await asyncio.gather(*(_complete(session, url, i, p, load, semaphore)
-                                           for i, p in enumerate(load.prompts()))))
+        return list(
+            await asyncio.gather(
+                *(_complete(session, url, i, p, load, semaphore) for i, p in enumerate(load.prompts()))
+            )
+        )
 
 
 def run_load(url: str, load: Load, timeout_s: float = 600.0) -> list[Completion]:

@@ -43,5 +43,6 @@ def started_threads(fn: Callable[[], T]) -> tuple[T, list[threading.Thread]]:
 def threads_cpu_s(threads: list[threading.Thread]) -> float:
     """CPU seconds used so far by those of ``threads`` that are still alive (their own CPU clocks:
     time another process or thread takes from them is not counted)."""
-    return sum(time.clock_gettime(time.pthread_getcpuclockid(t.ident)) for t in threads
-               if t.is_alive() and t.ident is not None)
+    return sum(
+        time.clock_gettime(time.pthread_getcpuclockid(t.ident)) for t in threads if t.is_alive() and t.ident is not None
+    )

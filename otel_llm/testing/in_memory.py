@@ -64,8 +64,7 @@ class InMemoryTelemetry:
         """The one data point of ``metric`` (key or name) with these attributes (one collection)."""
         return self.metrics().point(metric, attributes, **attrs)
 
-    def histogram(self, metric: str, attributes: Optional[Mapping[str, Any]] = None, /,
-                  **attrs: Any) -> read.Histogram:
+    def histogram(self, metric: str, attributes: Optional[Mapping[str, Any]] = None, /, **attrs: Any) -> read.Histogram:
         """The explicit-bucket histogram of ``metric`` (key or name) with these attributes."""
         return self.metrics().histogram(metric, attributes, **attrs)
 
@@ -128,9 +127,15 @@ class InMemoryTelemetry:
         self.shutdown()
 
 
-def in_memory_telemetry(config: Optional[TelemetryConfig] = None, *, delta: bool = False,
-                        span_limits: Optional[SpanLimits] = None, metric_path: str = "auto",
-                        span_path: str = "auto", with_views: bool = True) -> InMemoryTelemetry:
+def in_memory_telemetry(
+    config: Optional[TelemetryConfig] = None,
+    *,
+    delta: bool = False,
+    span_limits: Optional[SpanLimits] = None,
+    metric_path: str = "auto",
+    span_path: str = "auto",
+    with_views: bool = True,
+) -> InMemoryTelemetry:
     """An EngineTelemetry for ``config`` (default ``TelemetryConfig(model_name="tiny")``) on new
     in-memory providers: a MeterProvider with an InMemoryMetricReader (cumulative, or ``delta``
     temporality) and ``otel_llm.views(config)``; a TracerProvider (``span_limits``, else the SDK's)
@@ -146,10 +151,17 @@ def in_memory_telemetry(config: Optional[TelemetryConfig] = None, *, delta: bool
     tracer_provider = TracerProvider(span_limits=span_limits)
     tracer_provider.add_span_processor(SimpleSpanProcessor(span_exporter))
     logger_provider, log_exporter = _in_memory_logs() if config.log_events else (None, None)
-    telemetry = EngineTelemetry(config, meter_provider=meter_provider, tracer_provider=tracer_provider,
-                                logger_provider=logger_provider, metric_path=metric_path, span_path=span_path)
-    return InMemoryTelemetry(telemetry, config, meter_provider, reader, tracer_provider, span_exporter, delta,
-                             logger_provider, log_exporter)
+    telemetry = EngineTelemetry(
+        config,
+        meter_provider=meter_provider,
+        tracer_provider=tracer_provider,
+        logger_provider=logger_provider,
+        metric_path=metric_path,
+        span_path=span_path,
+    )
+    return InMemoryTelemetry(
+        telemetry, config, meter_provider, reader, tracer_provider, span_exporter, delta, logger_provider, log_exporter
+    )
 
 
 def _in_memory_logs() -> tuple[Any, Any]:

@@ -48,7 +48,8 @@ def otel_llm_telemetry_factory() -> Iterator[Callable[..., InMemoryTelemetry]]:
 
 
 @pytest.fixture
-def otel_llm_telemetry(otel_llm_telemetry_factory: Callable[..., InMemoryTelemetry],
-                       otel_llm_config: TelemetryConfig) -> InMemoryTelemetry:
+def otel_llm_telemetry(
+    otel_llm_telemetry_factory: Callable[..., InMemoryTelemetry], otel_llm_config: TelemetryConfig
+) -> InMemoryTelemetry:
     """An InMemoryTelemetry for ``otel_llm_config``; subscribe ``.telemetry`` to the engine's hook bus."""
     return otel_llm_telemetry_factory(otel_llm_config)

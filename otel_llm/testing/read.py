@@ -99,8 +99,9 @@ class MetricsSnapshot(Mapping[str, list[Any]]):
             raise LookupError(f"{self.name(metric)} {wanted}: {len(found)} points match; points present: {present}")
         return found[0]
 
-    def histograms(self, metric: str, attributes: Optional[Mapping[str, Any]] = None, /,
-                   **attrs: Any) -> list[Histogram]:
+    def histograms(
+        self, metric: str, attributes: Optional[Mapping[str, Any]] = None, /, **attrs: Any
+    ) -> list[Histogram]:
         """Each attribute set's explicit-bucket histogram of ``metric`` (with the given attributes)."""
         return [_histogram(self.name(metric), p) for p in self.points(metric, attributes, **attrs)]
 
@@ -114,21 +115,25 @@ class MetricsSnapshot(Mapping[str, list[Any]]):
         a name that is neither collected nor in the table (a typo)."""
         name = self.name(metric)
         if name not in self._points and name not in _TABLE_NAMES:
-            raise LookupError(f"{name}: not collected and not a metric of otel_llm.metrics.METRICS; "
-                              f"collected: {sorted(self._points)}")
+            raise LookupError(
+                f"{name}: not collected and not a metric of otel_llm.metrics.METRICS; collected: {sorted(self._points)}"
+            )
         return sum(p.value for p in self.points(metric, attributes, **attrs))
 
 
-_TABLE_NAMES = frozenset(n for m in METRICS for profile in ("vllm", "semconv")
-                         for n in (m.name(profile), m.instrument_name(profile)))
+_TABLE_NAMES = frozenset(
+    n for m in METRICS for profile in ("vllm", "semconv") for n in (m.name(profile), m.instrument_name(profile))
+)
 
 
 def _histogram(name: str, point: Any) -> Histogram:
     if not hasattr(point, "explicit_bounds"):
-        raise TypeError(f"{name} is not an explicit-bucket histogram here ({type(point).__name__}): "
-                        "read its point with .point()")
-    return Histogram(dict(point.attributes), tuple(point.explicit_bounds), tuple(point.bucket_counts),
-                     point.count, point.sum)
+        raise TypeError(
+            f"{name} is not an explicit-bucket histogram here ({type(point).__name__}): read its point with .point()"
+        )
+    return Histogram(
+        dict(point.attributes), tuple(point.explicit_bounds), tuple(point.bucket_counts), point.count, point.sum
+    )
 
 
 def collect_metrics(reader: Any, naming: str = "vllm") -> MetricsSnapshot:
@@ -153,8 +158,11 @@ def spans_by_request(spans: Iterable[Any]) -> dict[str, Any]:
 def span_preemptions(span: Any) -> list[Preemption]:
     """The preemptions recorded on a request span, as its ``preempted`` span events (the span
     keeps at most the SDK's event limit of them; ``llm.request.num_preemptions`` has the count)."""
-    return [Preemption(e.attributes["ordinal"], e.attributes["num_computed_tokens"], e.attributes["reason"],
-                       e.timestamp) for e in span.events if e.name == PREEMPTED]
+    return [
+        Preemption(e.attributes["ordinal"], e.attributes["num_computed_tokens"], e.attributes["reason"], e.timestamp)
+        for e in span.events
+        if e.name == PREEMPTED
+    ]
 
 
 def log_preemptions(records: Iterable[Any], request_id: str) -> list[Preemption]:
@@ -165,6 +173,12 @@ def log_preemptions(records: Iterable[Any], request_id: str) -> list[Preemption]
         record = getattr(record, "log_record", record)
         attrs = record.attributes or {}
         if attrs.get(REQUEST_ID) == request_id and "llm.preemption.ordinal" in attrs:
-            out.append(Preemption(attrs["llm.preemption.ordinal"], attrs["llm.preemption.num_computed_tokens"],
-                                  attrs["llm.preemption.reason"], record.timestamp))
+            out.append(
+                Preemption(
+                    attrs["llm.preemption.ordinal"],
+                    attrs["llm.preemption.num_computed_tokens"],
+                    attrs["llm.preemption.reason"],
+                    record.timestamp,
+                )
+            )
     return sorted(out, key=lambda p: p.ordinal)

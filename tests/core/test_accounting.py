@@ -33,8 +33,9 @@ def test_backoff_skips_exports_until_the_probe_and_counts_everything(monkeypatch
     inner = Flaky()
     processor = accounting.counting_processor(inner, acc)
     # Its exporter: in its BatchProcessor (SDK 1.34+), its own before.
-    exporter = processor._batch_processor._exporter if hasattr(processor, "_batch_processor") \
-        else processor.span_exporter
+    exporter = (
+        processor._batch_processor._exporter if hasattr(processor, "_batch_processor") else processor.span_exporter
+    )
     batch = [object()] * 5
 
     assert exporter.export(batch) is SpanExportResult.FAILURE and inner.calls == 1  # tried: fails

@@ -10,7 +10,7 @@ import otel_llm
 from otel_llm import StepStats, TelemetryConfig
 from otel_llm.metrics import METRICS
 from otel_llm.testing import in_memory_telemetry, lifecycle
-from tests.support.otel_helpers import BOTH_PATHS, E, FAST, SDK, RequestEvent
+from tests.support.otel_helpers import BOTH_PATHS, FAST, SDK, E, RequestEvent
 
 COUNTS = (0, 0, 1, 2, 2, 3, 7, 25)
 
@@ -46,17 +46,19 @@ def test_counters_equal_event_totals():
 def test_derived_latencies_exact():
     r = in_memory_telemetry()
     t0 = 50.0
-    r.telemetry.on_events([
-        RequestEvent(E.ARRIVED, "a", t0, prompt_tokens=7, max_tokens=9),
-        RequestEvent(E.QUEUED, "a", t0 + 0.5),
-        RequestEvent(E.SCHEDULED, "a", t0 + 1.0),
-        RequestEvent(E.PREEMPTED, "a", t0 + 1.5, num_computed_tokens=7, reason="kv_cache_full"),
-        RequestEvent(E.SCHEDULED, "a", t0 + 4.0),
-        RequestEvent(E.TOKENS, "a", t0 + 5.0, num_tokens=1),
-        RequestEvent(E.TOKENS, "a", t0 + 5.5, num_tokens=2),
-        RequestEvent(E.TOKENS, "a", t0 + 7.0, num_tokens=1),
-        RequestEvent(E.FINISHED, "a", t0 + 8.0, finish_reason="length"),
-    ])
+    r.telemetry.on_events(
+        [
+            RequestEvent(E.ARRIVED, "a", t0, prompt_tokens=7, max_tokens=9),
+            RequestEvent(E.QUEUED, "a", t0 + 0.5),
+            RequestEvent(E.SCHEDULED, "a", t0 + 1.0),
+            RequestEvent(E.PREEMPTED, "a", t0 + 1.5, num_computed_tokens=7, reason="kv_cache_full"),
+            RequestEvent(E.SCHEDULED, "a", t0 + 4.0),
+            RequestEvent(E.TOKENS, "a", t0 + 5.0, num_tokens=1),
+            RequestEvent(E.TOKENS, "a", t0 + 5.5, num_tokens=2),
+            RequestEvent(E.TOKENS, "a", t0 + 7.0, num_tokens=1),
+            RequestEvent(E.FINISHED, "a", t0 + 8.0, finish_reason="length"),
+        ]
+    )
     one = {
         "vllm:e2e_request_latency_seconds": 8.0,
         "vllm:request_queue_time_seconds": 0.5,  # first SCHEDULED - QUEUED
@@ -134,10 +136,19 @@ def test_show_zero_series_exports_the_named_series_at_zero_before_any_request():
     assert "vllm:e2e_request_latency_seconds" not in r.metrics()  # not named: exported once observed
 
 
-@pytest.mark.parametrize("bounds, rule", [
-    ((), "empty"), ((0, 1), "<= 0"), ((-1, 1), "<= 0"), ((1, float("inf")), "not finite"),
-    ((float("nan"),), "not finite"), ((2, 1), "sorted"), ((1, 1), "duplicated"), (("a",), "not a sequence"),
-])
+@pytest.mark.parametrize(
+    "bounds, rule",
+    [
+        ((), "empty"),
+        ((0, 1), "<= 0"),
+        ((-1, 1), "<= 0"),
+        ((1, float("inf")), "not finite"),
+        ((float("nan"),), "not finite"),
+        ((2, 1), "sorted"),
+        ((1, 1), "duplicated"),
+        (("a",), "not a sequence"),
+    ],
+)
 def test_bad_boundaries_rejected_at_config(bounds, rule):
     with pytest.raises(ValueError, match="preemption_buckets") as info:
         TelemetryConfig(preemption_buckets=bounds)
@@ -152,9 +163,14 @@ def test_semconv_profile_names():
     r.telemetry.on_step(StepStats(1.0, 1, 1, 0.5, 10))
     names = set(r.metrics())
     assert not [n for n in names if n.startswith("vllm")]
-    for name in ("gen_ai.server.request.duration", "gen_ai.server.time_to_first_token",
-                 "gen_ai.server.time_per_output_token", "llm.server.request.num_preemptions",
-                 "llm.server.preemptions", "llm.server.requests.running"):
+    for name in (
+        "gen_ai.server.request.duration",
+        "gen_ai.server.time_to_first_token",
+        "gen_ai.server.time_per_output_token",
+        "llm.server.request.num_preemptions",
+        "llm.server.preemptions",
+        "llm.server.requests.running",
+    ):
         assert name in names
     p = r.point("llm.server.request.num_preemptions")
     assert p.attributes["gen_ai.request.model"] == "tiny"

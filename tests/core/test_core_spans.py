@@ -95,13 +95,16 @@ def test_error_finish_sets_error_status():
 def test_no_text_unless_asked_then_truncated():
     def run(config):
         r = in_memory_telemetry(config)
-        r.telemetry.on_events([
-            RequestEvent(E.ARRIVED, "t", 1.0, prompt_tokens=3, prompt_text="secret prompt " * 20),
-            RequestEvent(E.SCHEDULED, "t", 1.1),
-            RequestEvent(E.TOKENS, "t", 1.2, num_tokens=1),
-            RequestEvent(E.FINISHED, "t", 1.3, finish_reason="stop", output_text="the answer"),
-        ])
+        r.telemetry.on_events(
+            [
+                RequestEvent(E.ARRIVED, "t", 1.0, prompt_tokens=3, prompt_text="secret prompt " * 20),
+                RequestEvent(E.SCHEDULED, "t", 1.1),
+                RequestEvent(E.TOKENS, "t", 1.2, num_tokens=1),
+                RequestEvent(E.FINISHED, "t", 1.3, finish_reason="stop", output_text="the answer"),
+            ]
+        )
         return spans_by_id(r)["t"].attributes
+
     plain = run(TelemetryConfig(model_name="m"))
     assert not any("secret" in str(v) or "answer" in str(v) for v in plain.values())
     recorded = run(TelemetryConfig(model_name="m", record_content=True, content_max_length=10))

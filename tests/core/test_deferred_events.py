@@ -73,8 +73,9 @@ def test_the_engine_may_reuse_its_event_list():
 
 
 def test_setup_telemetry_defers_a_hand_built_telemetry_applies_at_once():
-    handle = setup_telemetry(TelemetryConfig(model_name="m", metrics_exporters=("none",), traces_exporters=("none",)),
-                             environ={})
+    handle = setup_telemetry(
+        TelemetryConfig(model_name="m", metrics_exporters=("none",), traces_exporters=("none",)), environ={}
+    )
     try:
         assert handle.config.defer_steps == DEFAULT_DEFER_STEPS == handle.telemetry._defer_steps == 16
         assert handle.new_telemetry(engine="1")._defer_steps == 16

@@ -22,11 +22,11 @@ from opentelemetry.sdk.metrics._internal.aggregation import (
 )
 from opentelemetry.sdk.metrics._internal.exemplar import SimpleFixedSizeExemplarReservoir
 
-from tests.support.backends import rotel_to_sink, wait_until
 from otel_llm import TelemetryConfig, setup_telemetry
 from otel_llm.aggregation import ExponentialHistogramCell, _ExponentialCellAggregation
 from otel_llm.metrics import BY_KEY, METRICS
 from otel_llm.testing import in_memory_telemetry
+from tests.support.backends import rotel_to_sink, wait_until
 from tests.support.otel_helpers import FAST, SDK, assert_same_snapshots, workload
 from tests.support.sdk_versions import needs_sdk
 
@@ -50,12 +50,19 @@ def exponential_point(p: Any) -> tuple:
 
 def _sdk_aggregation() -> _ExponentialBucketHistogramAggregation:
     return _ExponentialBucketHistogramAggregation(
-        {}, lambda size: SimpleFixedSizeExemplarReservoir(size=size), DELTA, 0)
+        {}, lambda size: SimpleFixedSizeExemplarReservoir(size=size), DELTA, 0
+    )
 
 
 def _values(rnd: random.Random, n: int) -> list[float]:
-    kinds = [lambda: rnd.lognormvariate(-3, 1.5), lambda: float(rnd.randint(0, 9000)), lambda: 0.0,
-             lambda: 2.0 ** rnd.randint(-20, 20), lambda: rnd.uniform(1e-9, 1e9), lambda: -rnd.lognormvariate(0, 3)]
+    kinds = [
+        lambda: rnd.lognormvariate(-3, 1.5),
+        lambda: float(rnd.randint(0, 9000)),
+        lambda: 0.0,
+        lambda: 2.0 ** rnd.randint(-20, 20),
+        lambda: rnd.uniform(1e-9, 1e9),
+        lambda: -rnd.lognormvariate(0, 3),
+    ]
     weights = [6, 3, 1, 1, 1, 1]
     return [rnd.choices(kinds, weights)[0]() for _ in range(n)]
 
@@ -65,7 +72,7 @@ def _values(rnd: random.Random, n: int) -> list[float]:
 def test_cell_buckets_equal_the_sdk_exponential_aggregation(seed, temporality):
     rnd = random.Random(seed)
     cell = ExponentialHistogramCell((1.0,), {})
-    ours = _ExponentialCellAggregation({}, 0, lambda _cls: (lambda size: SimpleFixedSizeExemplarReservoir(size=size)))
+    ours = _ExponentialCellAggregation({}, 0, lambda _cls: lambda size: SimpleFixedSizeExemplarReservoir(size=size))
     ours._cell = cell
     sdk = _sdk_aggregation()
     now = 1
@@ -106,8 +113,9 @@ def comparable(r: Any, request_of_trace: dict[int, str]) -> dict:
 
 
 def run(paths: dict[str, str], naming: str, delta: bool) -> list[dict]:
-    r = in_memory_telemetry(TelemetryConfig(model_name="tiny", naming=naming, histogram_aggregation=EXPONENTIAL),
-            **paths, delta=delta)
+    r = in_memory_telemetry(
+        TelemetryConfig(model_name="tiny", naming=naming, histogram_aggregation=EXPONENTIAL), **paths, delta=delta
+    )
     r.delta = delta
     batches, steps = workload()
     snapshots = []
@@ -121,8 +129,9 @@ def run(paths: dict[str, str], naming: str, delta: bool) -> list[dict]:
 
 
 @pytest.mark.parametrize("naming", ["vllm", "semconv"])
-@pytest.mark.parametrize("delta", [False, pytest.param(True, marks=DELTA_SCALE_PER_INTERVAL)],
-                         ids=["cumulative", "delta"])
+@pytest.mark.parametrize(
+    "delta", [False, pytest.param(True, marks=DELTA_SCALE_PER_INTERVAL)], ids=["cumulative", "delta"]
+)
 def test_fast_path_equals_sdk_path_with_exponential_histograms(naming, delta):
     fast, sdk = run(FAST, naming, delta), run(SDK, naming, delta)
     assert_same_snapshots(fast, sdk, 3)
@@ -152,10 +161,14 @@ def test_otlp_gets_exponential_histograms_and_prometheus_explicit_buckets(clean_
     from tests.support.workloads import engine_run
 
     with rotel_to_sink() as (sink, rotel):
-        env = {"OTEL_METRICS_EXPORTER": "otlp,prometheus", "OTEL_TRACES_EXPORTER": "none",
-               "OTEL_EXPORTER_PROMETHEUS_PORT": "0", "OTEL_METRIC_EXPORT_INTERVAL": "600000",
-               "OTEL_EXPORTER_OTLP_ENDPOINT": rotel.grpc_endpoint,
-               "OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION": EXPONENTIAL}
+        env = {
+            "OTEL_METRICS_EXPORTER": "otlp,prometheus",
+            "OTEL_TRACES_EXPORTER": "none",
+            "OTEL_EXPORTER_PROMETHEUS_PORT": "0",
+            "OTEL_METRIC_EXPORT_INTERVAL": "600000",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": rotel.grpc_endpoint,
+            "OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION": EXPONENTIAL,
+        }
         for k, v in env.items():
             clean_env.setenv(k, v)
         handle = setup_telemetry(TelemetryConfig.from_env(env, model_name="tiny"), environ=env)
@@ -164,8 +177,9 @@ def test_otlp_gets_exponential_histograms_and_prometheus_explicit_buckets(clean_
             handle.force_flush()
             e2e = "vllm:e2e_request_latency_seconds"
             wait_until(lambda: sink.metric_points(e2e), timeout=15, what="metrics through rotel")
-            scrape = urllib.request.urlopen(f"http://127.0.0.1:{handle.prometheus_port}/metrics",
-                                            timeout=10).read().decode()
+            scrape = (
+                urllib.request.urlopen(f"http://127.0.0.1:{handle.prometheus_port}/metrics", timeout=10).read().decode()
+            )
         finally:
             handle.shutdown()
 
@@ -188,10 +202,10 @@ def test_otlp_gets_exponential_histograms_and_prometheus_explicit_buckets(clean_
 
 def test_reader_views_give_one_reader_exponential_and_another_explicit():
     """use_reader_views (SDK internals): exponential for one reader, explicit for the other, one engine."""
-    import otel_llm
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
+    import otel_llm
     from otel_llm import EngineTelemetry
     from otel_llm.metric_views import use_reader_views
     from otel_llm.testing import collect_metrics, lifecycle
@@ -218,7 +232,7 @@ def test_inlined_index_is_the_sdk_mapping():
 
     mapping = LogarithmMapping(MAX_SCALE)
     rnd = random.Random(5)
-    values = [rnd.lognormvariate(0, 10) for _ in range(20000)] + [2.0 ** k for k in range(-1074, 1024)]
+    values = [rnd.lognormvariate(0, 10) for _ in range(20000)] + [2.0**k for k in range(-1074, 1024)]
     values += [5e-324, 1e-310, 2.2250738585072014e-308, 1.7976931348623157e308, 3.0, 1.0, 0.1]
     assert [index_at_max_scale(v) for v in values] == [mapping.map_to_index(v) for v in values]
 
@@ -228,8 +242,9 @@ def test_record_iteration_latencies_go_into_the_exponential_buckets_on_both_path
     """Engines that hand over a step's latencies at once (record_iteration: vLLM's stat logger)."""
     points = []
     for paths in (FAST, SDK):
-        r = in_memory_telemetry(TelemetryConfig(model_name="tiny", histogram_aggregation=EXPONENTIAL), **paths,
-                delta=delta)
+        r = in_memory_telemetry(
+            TelemetryConfig(model_name="tiny", histogram_aggregation=EXPONENTIAL), **paths, delta=delta
+        )
         r.telemetry.record_iteration(ttfts=[0.02, 0.3], itls=[0.01, 0.01, 0.2, 3.0])
         (itl,) = r.metrics()["vllm:inter_token_latency_seconds"]
         points.append((exponential_point(itl), itl.count, pytest.approx(itl.sum)))

@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 
 from otel_llm import TelemetryConfig
-
 from otel_llm.testing import in_memory_telemetry
 from tests.support.otel_helpers import FAST, SDK, assert_same_snapshots, workload
 

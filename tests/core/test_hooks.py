@@ -65,8 +65,10 @@ def test_subscriber_needs_a_hook_method():
 
 
 def test_events_and_hooks_do_not_import_opentelemetry():
-    code = ("import sys, otel_llm, otel_llm.events, otel_llm.hooks; "
-            "print(any(m.startswith('opentelemetry') for m in sys.modules))")
+    code = (
+        "import sys, otel_llm, otel_llm.events, otel_llm.hooks; "
+        "print(any(m.startswith('opentelemetry') for m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "False"
 

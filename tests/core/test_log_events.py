@@ -23,22 +23,26 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import otel_llm
-from tests.support.workloads import engine_run
-from tests.support.backends import rotel_to_sink, wait_until
 from otel_llm import EngineTelemetry, TelemetryConfig, setup_telemetry
 from otel_llm.accounting import LOG_RECORDS_EXPORT_FAILED, LOG_RECORDS_QUEUE_FULL
 from otel_llm.spans import PREEMPTED_EVENT
-from otel_llm.tracker import RequestSummary
 from otel_llm.testing import lifecycle
+from otel_llm.tracker import RequestSummary
+from tests.support.backends import rotel_to_sink, wait_until
 from tests.support.sdk_versions import needs_sdk
+from tests.support.workloads import engine_run
 
 # Log-based events: Logger.emit with event_name (opentelemetry-sdk 1.38).
 needs_log_events = needs_sdk("1.38", "log-based events (Logger.emit with event_name)")
 # In-memory log exporter: InMemoryLogExporter before SDK 1.39 renamed it.
 InMemoryLogRecordExporter = getattr(log_export, "InMemoryLogRecordExporter", None) or log_export.InMemoryLogExporter
 
-ATTRIBUTES = {"gen_ai.request.id", "llm.preemption.ordinal", "llm.preemption.num_computed_tokens",
-              "llm.preemption.reason"}
+ATTRIBUTES = {
+    "gen_ai.request.id",
+    "llm.preemption.ordinal",
+    "llm.preemption.num_computed_tokens",
+    "llm.preemption.reason",
+}
 
 
 @dataclasses.dataclass
@@ -56,8 +60,9 @@ class LogRig:
         return {s.attributes["gen_ai.request.id"]: s for s in self.spans.get_finished_spans()}
 
 
-def log_rig(preemption_events: str, spans: bool = True, limits: Optional[SpanLimits] = None,
-            span_path: str = "auto") -> LogRig:
+def log_rig(
+    preemption_events: str, spans: bool = True, limits: Optional[SpanLimits] = None, span_path: str = "auto"
+) -> LogRig:
     config = TelemetryConfig(model_name="tiny", preemption_events=preemption_events, spans=spans)
     span_exporter, log_exporter = InMemorySpanExporter(), InMemoryLogRecordExporter()
     tp = TracerProvider(span_limits=limits or SpanLimits())
@@ -65,8 +70,7 @@ def log_rig(preemption_events: str, spans: bool = True, limits: Optional[SpanLim
     lp = LoggerProvider()
     lp.add_log_record_processor(SimpleLogRecordProcessor(log_exporter))
     mp = MeterProvider(views=otel_llm.views(config))
-    telemetry = EngineTelemetry(config, meter_provider=mp, tracer_provider=tp, logger_provider=lp,
-                                span_path=span_path)
+    telemetry = EngineTelemetry(config, meter_provider=mp, tracer_provider=tp, logger_provider=lp, span_path=span_path)
     return LogRig(telemetry, span_exporter, log_exporter)
 
 
@@ -144,14 +148,22 @@ def test_record_finished_emits_the_known_preemptions_as_log_records():
     """The path of the vLLM adapter (its deep hook hands over the preemption times)."""
     r = log_rig("log")
     times = (10.5, 10.75, 11.0)
-    summary = RequestSummary("v1", "stop", 10.0, 12.0, prompt_tokens=4, generation_tokens=3, num_preemptions=3,
-                             preemptions=tuple((t, 0, "kv_cache_full") for t in times))
+    summary = RequestSummary(
+        "v1",
+        "stop",
+        10.0,
+        12.0,
+        prompt_tokens=4,
+        generation_tokens=3,
+        num_preemptions=3,
+        preemptions=tuple((t, 0, "kv_cache_full") for t in times),
+    )
     r.telemetry.record_finished(summary, {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"})
     (span,) = r.finished_spans().values()
     records = r.records()
     assert [x.attributes["llm.preemption.ordinal"] for x in records] == [1, 2, 3]
     assert [x.timestamp for x in records] == [r.telemetry.spans.wall_ns(t) for t in times]
-    assert {x.trace_id for x in records} == {0x4bf92f3577b34da6a3ce929d0e0e4736} == {span.context.trace_id}
+    assert {x.trace_id for x in records} == {0x4BF92F3577B34DA6A3CE929D0E0E4736} == {span.context.trace_id}
     assert {x.span_id for x in records} == {span.context.span_id}
     assert not [e for e in span.events if e.name == "preempted"]
     assert span.attributes["llm.request.num_preemptions"] == 3
@@ -161,8 +173,12 @@ def test_invalid_preemption_events_fail_at_config_time_naming_the_setting(clean_
     with pytest.raises(ValueError, match=r"preemption_events: 'logs' must be one of"):
         TelemetryConfig(preemption_events="logs")
     for var, raw in (("OTEL_LLM_PREEMPTION_EVENTS", "span"), ("OTEL_LOGS_EXPORTER", "zipkin")):
-        env = {"OTEL_METRICS_EXPORTER": "none", "OTEL_TRACES_EXPORTER": "none",
-               "OTEL_LLM_PREEMPTION_EVENTS": "log", var: raw}
+        env = {
+            "OTEL_METRICS_EXPORTER": "none",
+            "OTEL_TRACES_EXPORTER": "none",
+            "OTEL_LLM_PREEMPTION_EVENTS": "log",
+            var: raw,
+        }
         with pytest.raises(ValueError, match=rf"^{var}={raw!r}"):
             TelemetryConfig.from_env(env)
         with pytest.raises(ValueError, match=rf"^{var}={raw!r}"):
@@ -193,11 +209,18 @@ def test_log_records_lost_on_the_way_out_are_bounded_and_counted(clean_env):
     counted lost, by reason, and the queue never holds more than its size."""
     from tests.support.backends import free_port
 
-    env = {"OTEL_METRICS_EXPORTER": "none", "OTEL_TRACES_EXPORTER": "none", "OTEL_LLM_PREEMPTION_EVENTS": "log",
-           "OTEL_LOGS_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{free_port()}",
-           "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf", "OTEL_EXPORTER_OTLP_TIMEOUT": "1",
-           "OTEL_BLRP_MAX_QUEUE_SIZE": "8", "OTEL_BLRP_MAX_EXPORT_BATCH_SIZE": "4",
-           "OTEL_BLRP_SCHEDULE_DELAY": "60000"}
+    env = {
+        "OTEL_METRICS_EXPORTER": "none",
+        "OTEL_TRACES_EXPORTER": "none",
+        "OTEL_LLM_PREEMPTION_EVENTS": "log",
+        "OTEL_LOGS_EXPORTER": "otlp",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{free_port()}",
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+        "OTEL_EXPORTER_OTLP_TIMEOUT": "1",
+        "OTEL_BLRP_MAX_QUEUE_SIZE": "8",
+        "OTEL_BLRP_MAX_EXPORT_BATCH_SIZE": "4",
+        "OTEL_BLRP_SCHEDULE_DELAY": "60000",
+    }
     for k, v in env.items():
         clean_env.setenv(k, v)  # the SDK's batch processor reads OTEL_BLRP_* itself
     handle = setup_telemetry(environ=env)
@@ -210,8 +233,12 @@ def test_log_records_lost_on_the_way_out_are_bounded_and_counted(clean_env):
         handle.shutdown()
     lost = handle.accounting.dropped
     assert lost.get(LOG_RECORDS_QUEUE_FULL, 0) >= 50 - 8 - 4  # at most a queue and a batch in flight got out
-    assert lost.get(LOG_RECORDS_QUEUE_FULL, 0) + lost.get(LOG_RECORDS_EXPORT_FAILED, 0) \
-        + handle.accounting.exported.get("log_records", 0) == 50
+    assert (
+        lost.get(LOG_RECORDS_QUEUE_FULL, 0)
+        + lost.get(LOG_RECORDS_EXPORT_FAILED, 0)
+        + handle.accounting.exported.get("log_records", 0)
+        == 50
+    )
 
 
 # ------------------------------------------------------------------ OTLP through a real collector
@@ -236,9 +263,15 @@ def _log_records(sink: Any) -> list[Any]:
 def test_log_events_over_otlp_through_rotel(clean_env, protocol):
     hop = "grpc" if protocol == "grpc" else "http"
     with rotel_to_sink(hop) as (sink, rotel):
-        env = {"OTEL_METRICS_EXPORTER": "none", "OTEL_TRACES_EXPORTER": "otlp", "OTEL_LOGS_EXPORTER": "otlp",
-               "OTEL_LLM_PREEMPTION_EVENTS": "log", "OTEL_SERVICE_NAME": "otel-llm-test",
-               "OTEL_EXPORTER_OTLP_ENDPOINT": rotel.endpoint(hop), "OTEL_EXPORTER_OTLP_PROTOCOL": protocol}
+        env = {
+            "OTEL_METRICS_EXPORTER": "none",
+            "OTEL_TRACES_EXPORTER": "otlp",
+            "OTEL_LOGS_EXPORTER": "otlp",
+            "OTEL_LLM_PREEMPTION_EVENTS": "log",
+            "OTEL_SERVICE_NAME": "otel-llm-test",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": rotel.endpoint(hop),
+            "OTEL_EXPORTER_OTLP_PROTOCOL": protocol,
+        }
         handle = setup_telemetry(TelemetryConfig.from_env(env, model_name="tiny"), environ=env)
         try:
             truth = engine_run(handle.telemetry)
@@ -252,8 +285,9 @@ def test_log_events_over_otlp_through_rotel(clean_env, protocol):
             try:
                 wait_until(arrived, timeout=15, what=f"log records through rotel ({protocol})")
             except TimeoutError as exc:
-                raise AssertionError(f"{exc}: {len(_log_records(sink))} of {expected} log records; "
-                                     f"rotel: {rotel.output()[-2000:]}") from None
+                raise AssertionError(
+                    f"{exc}: {len(_log_records(sink))} of {expected} log records; rotel: {rotel.output()[-2000:]}"
+                ) from None
         finally:
             handle.shutdown()
 

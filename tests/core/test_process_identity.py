@@ -19,8 +19,10 @@ from otel_llm import TelemetryConfig, setup_telemetry
 
 def _resource_attributes() -> dict:
     reader = InMemoryMetricReader()
-    handle = setup_telemetry(TelemetryConfig(model_name="m", metrics_exporters=("none",), traces_exporters=("none",)),
-                             extra_metric_readers=[reader])
+    handle = setup_telemetry(
+        TelemetryConfig(model_name="m", metrics_exporters=("none",), traces_exporters=("none",)),
+        extra_metric_readers=[reader],
+    )
     try:
         (rm,) = reader.get_metrics_data().resource_metrics
         return dict(rm.resource.attributes)
@@ -37,8 +39,12 @@ def test_a_process_has_one_uuid_instance_id(clean_env):
 
 def test_child_processes_get_their_own_instance_id(clean_env):
     code = "from tests.core.test_process_identity import _instance_id; print(_instance_id())"
-    ids = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                          timeout=120).stdout.strip() for _ in range(2)}
+    ids = {
+        subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+        ).stdout.strip()
+        for _ in range(2)
+    }
     assert len(ids) == 2 and all(uuid.UUID(i) for i in ids)
 
 
@@ -67,11 +73,14 @@ def _instance_id() -> str:
 def test_a_user_given_id_already_used_by_another_live_process_on_the_host_is_reported(clean_env, caplog):
     """The same id in two processes' OTEL_RESOURCE_ATTRIBUTES: the second says so in one warning."""
     instance = f"replica-{uuid.uuid4()}"
-    code = ("import sys, os; os.environ['OTEL_RESOURCE_ATTRIBUTES'] = 'service.instance.id=' + sys.argv[1]; "
-            "from tests.core.test_process_identity import _instance_id; print(_instance_id(), flush=True); "
-            "sys.stdin.read()")  # holds its id until the test closes stdin
-    holder = subprocess.Popen([sys.executable, "-c", code, instance], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              text=True)
+    code = (
+        "import sys, os; os.environ['OTEL_RESOURCE_ATTRIBUTES'] = 'service.instance.id=' + sys.argv[1]; "
+        "from tests.core.test_process_identity import _instance_id; print(_instance_id(), flush=True); "
+        "sys.stdin.read()"
+    )  # holds its id until the test closes stdin
+    holder = subprocess.Popen(
+        [sys.executable, "-c", code, instance], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert holder.stdout.readline().strip() == instance  # the holder has set up its telemetry
         clean_env.setenv("OTEL_RESOURCE_ATTRIBUTES", f"service.instance.id={instance}")

@@ -13,7 +13,7 @@ from importlib.metadata import version
 import pytest
 
 from otel_llm import TelemetryConfig, _sdk, views
-from otel_llm.aggregation import HistogramCell, InProcessHistogram
+from otel_llm.aggregation import HistogramCell
 from otel_llm.metric_views import provider_has_views
 from tests.support.sdk_versions import at_least
 
@@ -76,9 +76,14 @@ def test_cell_observation_binds_through_context():
 
 def _preemption_points(reader) -> list[tuple[int, tuple, tuple]]:
     data = reader.get_metrics_data()
-    return [(p.count, tuple(p.explicit_bounds), tuple(p.bucket_counts)) for rm in data.resource_metrics
-            for sm in rm.scope_metrics for m in sm.metrics if m.name == "vllm:request_num_preemptions"
-            for p in m.data.data_points]
+    return [
+        (p.count, tuple(p.explicit_bounds), tuple(p.bucket_counts))
+        for rm in data.resource_metrics
+        for sm in rm.scope_metrics
+        for m in sm.metrics
+        if m.name == "vllm:request_num_preemptions"
+        for p in m.data.data_points
+    ]
 
 
 def test_request_num_preemptions_reaches_every_reader_with_its_explicit_positive_buckets():
@@ -92,8 +97,9 @@ def test_request_num_preemptions_reaches_every_reader_with_its_explicit_positive
 
     config = TelemetryConfig(model_name="tiny", defer_steps=1)
     first, second = InMemoryMetricReader(), InMemoryMetricReader()
-    telemetry = EngineTelemetry(config, meter_provider=MeterProvider(metric_readers=[first, second],
-                                                                     views=views(config)))
+    telemetry = EngineTelemetry(
+        config, meter_provider=MeterProvider(metric_readers=[first, second], views=views(config))
+    )
     for i in range(3):
         telemetry.on_events(lifecycle(f"r{i}", 10.0 + i, preemptions=i))
     expected = [(3, (0.5, 1.0, 2.0, 3.0, 4.0, 5.0, 10.0, 20.0), (1, 1, 1, 0, 0, 0, 0, 0, 0))]

@@ -19,8 +19,13 @@ from tests.support.otel_helpers import BOTH_PATHS, FAST
 DURATION = BY_KEY["e2e_request_latency_seconds"].semconv
 # Names the conventions replaced (gen_ai.system -> gen_ai.provider.name, prompt/completion token
 # usage -> input/output tokens).
-DEPRECATED = {"gen_ai.system", "gen_ai.usage.prompt_tokens", "gen_ai.usage.completion_tokens",
-              "gen_ai.openai.request.seed", "gen_ai.openai.request.response_format"}
+DEPRECATED = {
+    "gen_ai.system",
+    "gen_ai.usage.prompt_tokens",
+    "gen_ai.usage.completion_tokens",
+    "gen_ai.openai.request.seed",
+    "gen_ai.openai.request.response_format",
+}
 
 
 def _run(config: TelemetryConfig, paths: dict[str, str]):
@@ -77,7 +82,9 @@ def test_spans_carry_current_gen_ai_attributes_and_error_type(naming):
         assert attrs["gen_ai.provider.name"] == "self_hosted"
         assert attrs["gen_ai.request.model"] == "tiny"
         assert attrs["gen_ai.response.finish_reasons"] == (reason,)
-        assert isinstance(attrs["gen_ai.usage.input_tokens"], int) and isinstance(attrs["gen_ai.usage.output_tokens"], int)
+        assert isinstance(attrs["gen_ai.usage.input_tokens"], int) and isinstance(
+            attrs["gen_ai.usage.output_tokens"], int
+        )
         assert attrs.get("error.type") == (ERROR_TYPE if reason == "error" else None)
         assert not DEPRECATED & set(attrs)
 

@@ -45,10 +45,9 @@ class CountingIds(IdGenerator):
 def workload() -> list[list[RequestEvent]]:
     batches = []
     for i, k in enumerate((0, 1, 2, 7, 0, 3, 0, 12)):
-        events = lifecycle(f"r{i}", 10.0 + i, preemptions=k, tokens=1 + i,
-                           finish_reason="error" if i == 5 else "stop")
+        events = lifecycle(f"r{i}", 10.0 + i, preemptions=k, tokens=1 + i, finish_reason="error" if i == 5 else "stop")
         arrived = events[0]
-        carrier = ({"traceparent": f"00-{PARENT_TRACE}-00f067aa0ba902b{i}-0{i % 2}"} if i % 3 == 0 else None)
+        carrier = {"traceparent": f"00-{PARENT_TRACE}-00f067aa0ba902b{i}-0{i % 2}"} if i % 3 == 0 else None
         events[0] = dataclasses.replace(arrived, trace_context=carrier, prompt_text="a prompt " * i)
         events[-1] = dataclasses.replace(events[-1], output_text="an answer " * i)
         batches.append(events)
@@ -62,8 +61,12 @@ def run(assembled: bool, sampler, limits: SpanLimits) -> list[tuple]:
     exporter = InMemorySpanExporter()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     config = TelemetryConfig(model_name="tiny", max_inflight_requests=4, record_content=True, content_max_length=12)
-    telemetry = EngineTelemetry(config, meter_provider=NoOpMeterProvider(), tracer_provider=provider,
-                                span_path="auto" if assembled else "tracer")
+    telemetry = EngineTelemetry(
+        config,
+        meter_provider=NoOpMeterProvider(),
+        tracer_provider=provider,
+        span_path="auto" if assembled else "tracer",
+    )
     assert type(telemetry.spans) is (AssembledSpans if assembled else RequestSpans)
     telemetry.spans._offset_ns = 0  # the monotonic-to-wall offset, taken per instance: the same for both runs
     for batch in workload():
@@ -72,22 +75,33 @@ def run(assembled: bool, sampler, limits: SpanLimits) -> list[tuple]:
     out = []
     for s in exporter.get_finished_spans():
         shutdown = (s.status.description or "").endswith("shutdown")  # the attribute is truncated by tight limits
-        out.append((
-            s.name, s.kind, s.context, s.parent, s.start_time,
-            None if shutdown else s.end_time,  # ended "now" by shutdown: the two runs differ
-            s.status.status_code, s.status.description,
-            dict(s.attributes), s.dropped_attributes,
-            [(e.name, e.timestamp, dict(e.attributes), e.dropped_attributes) for e in s.events], s.dropped_events,
-            s.resource, s.instrumentation_scope,
-        ))
+        out.append(
+            (
+                s.name,
+                s.kind,
+                s.context,
+                s.parent,
+                s.start_time,
+                None if shutdown else s.end_time,  # ended "now" by shutdown: the two runs differ
+                s.status.status_code,
+                s.status.description,
+                dict(s.attributes),
+                s.dropped_attributes,
+                [(e.name, e.timestamp, dict(e.attributes), e.dropped_attributes) for e in s.events],
+                s.dropped_events,
+                s.resource,
+                s.instrumentation_scope,
+            )
+        )
     return out
 
 
 SAMPLERS = {"always_on": ALWAYS_ON, "parentbased_ratio": ParentBased(TraceIdRatioBased(0.5)), "always_off": ALWAYS_OFF}
 LIMITS = {
     "default": SpanLimits(),
-    "tight": SpanLimits(max_events=5, max_span_attributes=6, max_event_attributes=2, max_attribute_length=4,
-                        max_span_attribute_length=6),
+    "tight": SpanLimits(
+        max_events=5, max_span_attributes=6, max_event_attributes=2, max_attribute_length=4, max_span_attribute_length=6
+    ),
 }
 
 

@@ -110,7 +110,10 @@ def test_request_span_and_its_preemption_events(paths: dict[str, Any]) -> None:
     assert span.name == "llm_request" and dict(span.attributes or {})["llm.request.num_preemptions"] == 3
     preemptions = r.preemptions("r3")
     assert [(p.ordinal, p.num_computed_tokens, p.reason) for p in preemptions] == [
-        (1, 20, "kv_cache_full"), (2, 21, "kv_cache_full"), (3, 22, "kv_cache_full")]
+        (1, 20, "kv_cache_full"),
+        (2, 21, "kv_cache_full"),
+        (3, 22, "kv_cache_full"),
+    ]
     assert sorted(p.time_ns for p in preemptions) == [p.time_ns for p in preemptions]
     assert r.preemptions("r0") == []
     with pytest.raises(LookupError, match="'nobody'"):
@@ -125,7 +128,8 @@ def test_preemption_log_events_match_the_span_events() -> None:
     for i, k in enumerate(PREEMPTIONS):
         logged = r.log_preemptions(f"r{i}")
         assert [Preemption(p.ordinal, p.num_computed_tokens, p.reason, 0) for p in logged] == [
-            Preemption(p.ordinal, p.num_computed_tokens, p.reason, 0) for p in r.preemptions(f"r{i}")]
+            Preemption(p.ordinal, p.num_computed_tokens, p.reason, 0) for p in r.preemptions(f"r{i}")
+        ]
         assert len(logged) == k
     assert in_memory_telemetry().log_records() == []  # span events only: no LoggerProvider
 
@@ -149,8 +153,10 @@ def test_the_plugin_is_registered_for_pytest() -> None:
 
 
 def test_the_plugin_imports_no_opentelemetry_sdk_nor_torch() -> None:
-    code = ("import sys, otel_llm.testing.plugin; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('opentelemetry', 'torch', 'engine_stub')))")
+    code = (
+        "import sys, otel_llm.testing.plugin; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('opentelemetry', 'torch', 'engine_stub')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -162,13 +168,13 @@ def test_fixtures_in_this_session(otel_llm_telemetry: InMemoryTelemetry, otel_ll
 
 
 # Imported after the plugins that pytest loads at start-up (pytest11 entry points), before any test.
-CONFTEST = '''
+CONFTEST = """
 import sys
 
 assert not [m for m in sys.modules if m.split(".")[0] in ("opentelemetry", "torch")], "imported at start-up"
-'''
+"""
 
-SESSION = '''
+SESSION = """
 from otel_llm import TelemetryConfig
 from otel_llm.testing import lifecycle
 
@@ -184,14 +190,31 @@ def test_factory(otel_llm_telemetry_factory):
 
 def test_the_factory_shut_its_telemetries_down():
     assert [m.span_exporter.export(()).name for m in made] == ["FAILURE", "FAILURE"]  # a stopped exporter
-'''
+"""
 
 
 def run_pytest(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """A pytest session of its own in ``tmp_path`` (no rootdir config, conftest or cache of ours)."""
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
-                           "-c", os.devnull, *args], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--rootdir",
+            str(tmp_path),
+            "-c",
+            os.devnull,
+            *args,
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def test_a_pytest_session_with_the_plugin_and_the_example(tmp_path: Path) -> None:
@@ -204,8 +227,9 @@ def test_a_pytest_session_with_the_plugin_and_the_example(tmp_path: Path) -> Non
 
 
 def test_without_plugin_autoload_it_loads_by_name(tmp_path: Path) -> None:
-    (tmp_path / "test_one.py").write_text("def test_fixture(otel_llm_telemetry):\n"
-                                          "    assert otel_llm_telemetry.counter('num_preemptions') == 0\n")
+    (tmp_path / "test_one.py").write_text(
+        "def test_fixture(otel_llm_telemetry):\n    assert otel_llm_telemetry.counter('num_preemptions') == 0\n"
+    )
     out = run_pytest(tmp_path, "-p", "otel_llm", env={"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"})
     assert out.returncode == 0, out.stdout + out.stderr
     assert "1 passed" in out.stdout

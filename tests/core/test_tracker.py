@@ -23,11 +23,13 @@ BAD = {
     "duplicate_finish": [RequestEvent(E.FINISHED, "done", 99.0, finish_reason="stop")],
     "after_finish": [RequestEvent(E.TOKENS, "done", 99.0, num_tokens=1)],
     "time_backwards": [RequestEvent(E.TOKENS, "v1", 0.5, num_tokens=1)],
-    "invalid_value": [RequestEvent(E.TOKENS, "v1", NAN, num_tokens=1),
-                      RequestEvent(E.TOKENS, "v1", 2.0, num_tokens=-3),
-                      RequestEvent(E.TOKENS, "v1", "soon", num_tokens=1),  # type: ignore[arg-type]
-                      RequestEvent(E.ARRIVED, "x" * 10_000, 1.0),
-                      RequestEvent(E.ARRIVED, "nan-arrival", NAN)],
+    "invalid_value": [
+        RequestEvent(E.TOKENS, "v1", NAN, num_tokens=1),
+        RequestEvent(E.TOKENS, "v1", 2.0, num_tokens=-3),
+        RequestEvent(E.TOKENS, "v1", "soon", num_tokens=1),  # type: ignore[arg-type]
+        RequestEvent(E.ARRIVED, "x" * 10_000, 1.0),
+        RequestEvent(E.ARRIVED, "nan-arrival", NAN),
+    ],
     "invalid_transition": [RequestEvent(E.PREEMPTED, "v2", 2.0, reason="kv_cache_full")],  # v2 is waiting
     "unknown_event_type": ["not an event", None],
 }
@@ -37,8 +39,11 @@ VALID = (("v0", 1), ("v1", 2), ("v2", 3))
 
 
 def histograms(r):
-    return {name: [(p.bucket_counts, p.count, p.sum) for p in points]
-            for name, points in r.metrics().items() if hasattr(points[0], "bucket_counts")}
+    return {
+        name: [(p.bucket_counts, p.count, p.sum) for p in points]
+        for name, points in r.metrics().items()
+        if hasattr(points[0], "bucket_counts")
+    }
 
 
 @pytest.mark.parametrize("reason", sorted(BAD))
@@ -59,9 +64,15 @@ def test_each_bad_event_is_dropped_counted_and_leaves_valid_requests_exact(reaso
 def test_equal_timestamps_are_fine():
     r = in_memory_telemetry()
     t = 5.0
-    r.telemetry.on_events([RequestEvent(E.ARRIVED, "a", t), RequestEvent(E.QUEUED, "a", t),
-                           RequestEvent(E.SCHEDULED, "a", t), RequestEvent(E.TOKENS, "a", t, num_tokens=1),
-                           RequestEvent(E.FINISHED, "a", t, finish_reason="stop")])
+    r.telemetry.on_events(
+        [
+            RequestEvent(E.ARRIVED, "a", t),
+            RequestEvent(E.QUEUED, "a", t),
+            RequestEvent(E.SCHEDULED, "a", t),
+            RequestEvent(E.TOKENS, "a", t, num_tokens=1),
+            RequestEvent(E.FINISHED, "a", t, finish_reason="stop"),
+        ]
+    )
     assert dropped(r) == {}
     assert r.point("vllm:e2e_request_latency_seconds").sum == 0
 

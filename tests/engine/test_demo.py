@@ -60,11 +60,7 @@ def parse_summary(lines: list[str]) -> dict[str, object]:
         m = re.match(r"(requests|preemptions)\s+(\d+)$", line)
         if m:
             fields[m.group(1)] = int(m.group(2))
-    buckets = [
-        (m.group(1), int(m.group(2)))
-        for line in lines
-        if (m := re.match(r"\s+(\S+) \| #*\s+(\d+) \(", line))
-    ]
+    buckets = [(m.group(1), int(m.group(2))) for line in lines if (m := re.match(r"\s+(\S+) \| #*\s+(\d+) \(", line))]
     worst = [
         (m.group(1), int(m.group(2)), m.group(3))
         for line in lines
@@ -102,8 +98,7 @@ def sigint_not_ignored() -> Iterator[None]:
 def test_demo_summary_matches_its_metrics_endpoint(tmp_path: Path) -> None:
     with sigint_not_ignored():
         proc = subprocess.Popen(
-            demo_command()
-            + ["--requests", "40", "--prometheus-port", "0", "--serve-seconds", "300", "--no-progress"],
+            demo_command() + ["--requests", "40", "--prometheus-port", "0", "--serve-seconds", "300", "--no-progress"],
             stdout=subprocess.PIPE,
             stderr=(tmp_path / "stderr.txt").open("w"),
             text=True,
@@ -153,8 +148,12 @@ PROGRESS_LINE = re.compile(r"\s*(\d+)% \[[#.]{40}\] (\d+)/(\d+) finished \| ")
 
 def test_demo_into_a_pipe_writes_one_progress_line_per_tenth_and_no_carriage_return() -> None:
     """``make demo | tee log``: stdout and stderr are pipes, not terminals."""
-    run = subprocess.run(demo_command() + ["--requests", "37", "--prometheus-port", "0"],
-                         capture_output=True, text=True, timeout=READY_TIMEOUT)
+    run = subprocess.run(
+        demo_command() + ["--requests", "37", "--prometheus-port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=READY_TIMEOUT,
+    )
     assert run.returncode == 0, run.stderr
     assert "\r" not in run.stdout and "\r" not in run.stderr
     progress = [m for line in run.stderr.splitlines() if (m := PROGRESS_LINE.match(line))]
@@ -191,7 +190,15 @@ def test_progress_redraws_only_when_stdout_is_a_terminal_too(monkeypatch: pytest
 
 def test_bucket_labels_name_the_integers_each_bucket_holds() -> None:
     assert bucket_labels([0.5, 1, 2, 3, 4, 5, 10, 20]) == [
-        "0", "1", "2", "3", "4", "5", "6-10", "11-20", "21+",
+        "0",
+        "1",
+        "2",
+        "3",
+        "4",
+        "5",
+        "6-10",
+        "11-20",
+        "21+",
     ]
     assert bucket_labels([1, 2, 5]) == ["0-1", "2", "3-5", "6+"]
 

@@ -191,9 +191,10 @@ def test_self_preemption_exact_trace() -> None:
     assert outputs["a"].num_preemptions == 0
     assert outputs["b"].num_preemptions == 1
     b = [(e.type.name, e.num_computed_tokens) for e in recorder.by_request()["b"]]
-    assert b == [("ARRIVED", 0), ("QUEUED", 0), ("SCHEDULED", 0), ("FIRST_TOKEN", 0)] + [
-        ("TOKENS", 0)
-    ] * 3 + [("PREEMPTED", 8), ("SCHEDULED", 0)] + [("TOKENS", 0)] * 5 + [("FINISHED", 0)]
+    assert b == [("ARRIVED", 0), ("QUEUED", 0), ("SCHEDULED", 0), ("FIRST_TOKEN", 0)] + [("TOKENS", 0)] * 3 + [
+        ("PREEMPTED", 8),
+        ("SCHEDULED", 0),
+    ] + [("TOKENS", 0)] * 5 + [("FINISHED", 0)]
     [preempt_step] = [i for i, batch in enumerate(recorder.batches) for e in batch if e.type is EventType.PREEMPTED]
     assert preempt_step == 3
 
@@ -295,9 +296,7 @@ def check_lifecycle(events: list[RequestEvent], output: RequestOutput) -> None:
     assert events[0].prompt_tokens == len(output.prompt_token_ids)
     # SCHEDULED and PREEMPTED alternate, starting and ending with SCHEDULED.
     transitions = [t for t in types if t in (EventType.SCHEDULED, EventType.PREEMPTED)]
-    assert transitions == [EventType.SCHEDULED, EventType.PREEMPTED] * output.num_preemptions + [
-        EventType.SCHEDULED
-    ]
+    assert transitions == [EventType.SCHEDULED, EventType.PREEMPTED] * output.num_preemptions + [EventType.SCHEDULED]
     assert types.count(EventType.FIRST_TOKEN) == 1
     assert types.index(EventType.FIRST_TOKEN) < types.index(EventType.TOKENS)
     assert types.index(EventType.SCHEDULED) < types.index(EventType.FIRST_TOKEN)

@@ -130,9 +130,7 @@ def test_plugin_from_environment_serves_the_engine_totals(monkeypatch: pytest.Mo
         engine.shutdown()
     total = sum(o.num_preemptions for o in outputs)
     assert total > 0
-    samples = dict(
-        line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#")
-    )
+    samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
     [(key, value)] = [(k, v) for k, v in samples.items() if k.startswith("vllm:num_preemptions_total{")]
     assert 'model_name="engine_stub-tiny"' in key
     assert float(value) == total

@@ -15,8 +15,13 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def run(name: str, env: dict[str, str] | None = None) -> str:
-    out = subprocess.run([sys.executable, str(EXAMPLES / name)], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, **(env or {})})
+    out = subprocess.run(
+        [sys.executable, str(EXAMPLES / name)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+    )
     assert out.returncode == 0, out.stderr
     return out.stdout
 
@@ -40,9 +45,15 @@ def test_hand_written_engine_loop():
 @pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
 def test_export_otlp(protocol):
     with backend("otlp sink"), start_otlp_sink(protocol) as sink:
-        out = run("export_otlp.py", {"OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint,
-                                     "OTEL_EXPORTER_OTLP_PROTOCOL": protocol,
-                                     "OTEL_METRICS_EXPORTER": "otlp", "OTEL_TRACES_EXPORTER": "otlp"})
+        out = run(
+            "export_otlp.py",
+            {
+                "OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint,
+                "OTEL_EXPORTER_OTLP_PROTOCOL": protocol,
+                "OTEL_METRICS_EXPORTER": "otlp",
+                "OTEL_TRACES_EXPORTER": "otlp",
+            },
+        )
         assert "flush ok" in out
         _, point = sink.metric_points("vllm:request_num_preemptions")[-1]  # cumulative: the last is the total
         assert list(point.bucket_counts) == [1, 1, 0, 1, 0, 0, 0, 0, 0]  # 0, 1 and 3 preemptions

@@ -5,6 +5,7 @@ structure and by cross-references (ports, uids, mounts). Prometheus' files are c
 itself: `check rules`, `test rules` (the unit tests in collector/rules/) and `check config`.
 promtool missing skips those tests, or fails them under OTEL_LLM_REQUIRE_BACKENDS=1.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,10 +39,9 @@ def load_yaml(path: Path):
     return yaml.safe_load(path.read_text())
 
 
-
-
 # --------------------------------------------------------------------------------------------------
 # promtool
+
 
 def _require_backends() -> bool:
     return os.environ.get("OTEL_LLM_REQUIRE_BACKENDS", "") not in ("", "0", "false", "no")
@@ -89,8 +89,14 @@ def test_promtool_check_config_resolves_rules_relative_to_the_config(promtool, t
 def test_every_shipped_expression_parses(promtool, tmp_path):
     """Each dashboard/rule expression, variables substituted, compiled by promtool as a recording rule."""
     exprs = expressions.all_expressions("tiny", "engine_stub")
-    rules = {"groups": [{"name": "parse-check", "rules": [
-        {"record": f"parse_check_{i}", "expr": expr} for i, (_, expr) in enumerate(exprs)]}]}
+    rules = {
+        "groups": [
+            {
+                "name": "parse-check",
+                "rules": [{"record": f"parse_check_{i}", "expr": expr} for i, (_, expr) in enumerate(exprs)],
+            }
+        ]
+    }
     path = tmp_path / "parse.rules.yml"
     path.write_text(yaml.safe_dump(rules))
     run_promtool(promtool, "check", "rules", str(path))
@@ -98,6 +104,7 @@ def test_every_shipped_expression_parses(promtool, tmp_path):
 
 # --------------------------------------------------------------------------------------------------
 # Rules and their unit tests
+
 
 def _rules():
     return [r for g in load_yaml(RULES)["groups"] for r in g["rules"]]
@@ -113,7 +120,7 @@ def test_recording_rule_names_follow_level_metric_operation():
         # The level names the labels the rule aggregates to.
         by = re.search(r"by \(([^)]*)\)", rule["expr"])
         assert by, rule["record"]
-        kept = [l.strip() for l in by.group(1).split(",") if l.strip() != "le"]
+        kept = [label.strip() for label in by.group(1).split(",") if label.strip() != "le"]
         kept += sorted((rule.get("labels") or {}).keys())
         assert level == "_".join(kept), f"{rule['record']}: level {level!r} but aggregates to {kept}"
 
@@ -126,8 +133,9 @@ def test_rules_use_the_shipped_thresholds_and_windows():
     assert 'le="0.5"' in by_name["model_name_engine:vllm_request_num_preemptions:preempted_ratio_rate5m"]["expr"]
     spike = by_name["LLMPreemptionRateSpike"]["expr"]
     assert "3 *" in spike and "offset 1h" in spike and "> 0.1" in spike
-    quantiles = sorted(r["labels"]["quantile"] for r in _rules()
-                       if r.get("record", "").endswith(":histogram_quantile5m"))
+    quantiles = sorted(
+        r["labels"]["quantile"] for r in _rules() if r.get("record", "").endswith(":histogram_quantile5m")
+    )
     assert quantiles == ["0.5", "0.9", "0.99"]
 
 
@@ -151,6 +159,7 @@ def test_unit_tests_cover_every_rule_firing_and_not_firing():
 
 # --------------------------------------------------------------------------------------------------
 # Expressions: metric names, the expressions module
+
 
 def test_every_expression_reads_only_known_series():
     for where, expr in expressions.all_expressions("tiny", "engine_stub"):
@@ -185,12 +194,15 @@ def test_all_expressions_substitutes_intervals_and_escapes_values():
 def test_variable_queries_become_promql():
     exprs = dict(expressions.dashboard_expressions())
     assert exprs["dashboard variable model_name"] == "group by (model_name) (vllm:request_num_preemptions_count)"
-    assert exprs["dashboard variable engine"] == \
-        'group by (engine) (vllm:request_num_preemptions_count{model_name=~"$model_name"})'
+    assert (
+        exprs["dashboard variable engine"]
+        == 'group by (engine) (vllm:request_num_preemptions_count{model_name=~"$model_name"})'
+    )
 
 
 # --------------------------------------------------------------------------------------------------
 # OpenTelemetry Collector
+
 
 def _component_type(name: str) -> str:
     return name.split("/", 1)[0]
@@ -268,6 +280,7 @@ def test_collector_trace_exporter_points_at_tempo_otlp_receiver():
 # --------------------------------------------------------------------------------------------------
 # Tempo and Prometheus config
 
+
 def test_tempo_config_is_single_binary_local_with_otlp():
     cfg = load_yaml(TEMPO)
     protocols = cfg["distributor"]["receivers"]["otlp"]["protocols"]
@@ -297,6 +310,7 @@ def test_prometheus_scrapes_the_collector_and_the_plugin():
 # --------------------------------------------------------------------------------------------------
 # Grafana
 
+
 def _all_panels(dash):
     out = []
 
@@ -320,7 +334,7 @@ def test_datasources_link_exemplars_to_tempo():
     by_type = {d["type"]: d for d in sources}
     tempo, prom = by_type["tempo"], by_type["prometheus"]
     links = prom["jsonData"]["exemplarTraceIdDestinations"]
-    assert [(l["name"], l["datasourceUid"]) for l in links] == [("trace_id", tempo["uid"])]
+    assert [(link["name"], link["datasourceUid"]) for link in links] == [("trace_id", tempo["uid"])]
     # Grafana expands $ in provisioning files: literal ${...} must be written $${...}.
     for link in links:
         for value in link.values():
@@ -353,14 +367,16 @@ def test_dashboard_queries_use_the_variables_everywhere():
         # Every selector of a metric carries both matchers (not just one of several).
         for m in re.finditer(r"((?:vllm:|otel_llm_)[A-Za-z0-9_:]*)(\{[^}]*\})?", expr):
             matchers = m.group(2) or ""
-            assert 'model_name=~"$model_name"' in matchers and 'engine=~"$engine"' in matchers, \
+            assert 'model_name=~"$model_name"' in matchers and 'engine=~"$engine"' in matchers, (
                 f"panel {panel['title']!r}: selector {m.group(0)} lacks the variables"
+            )
 
 
 def test_dashboard_quantile_panels_show_exemplars():
     dash = json.loads(DASHBOARD.read_text())
-    quantile_targets = [(p, t) for p in _all_panels(dash) for t in p.get("targets", [])
-                        if "histogram_quantile" in t["expr"]]
+    quantile_targets = [
+        (p, t) for p in _all_panels(dash) for t in p.get("targets", []) if "histogram_quantile" in t["expr"]
+    ]
     assert len(quantile_targets) >= 12
     for panel, target in quantile_targets:
         assert target.get("exemplar") is True, f"panel {panel['title']!r} target {target['refId']}"
@@ -371,14 +387,24 @@ def test_dashboard_has_the_required_panels():
     panels = _all_panels(dash)
     exprs = " ".join(t["expr"] for p in panels for t in p.get("targets", []))
     heatmaps = [p for p in panels if p["type"] == "heatmap"]
-    assert any(t.get("format") == "heatmap" and "vllm:request_num_preemptions_bucket" in t["expr"]
-               for p in heatmaps for t in p["targets"])
-    for needle in ("histogram_quantile(0.99, sum by (le, model_name, engine) (rate(vllm:request_num_preemptions_bucket",
-                   'vllm:request_num_preemptions_bucket{le="0.5"', 'vllm:request_num_preemptions_bucket{le=~"4|4.0"',
-                   "vllm:num_preemptions_by_reason_total", "vllm:num_recomputed_tokens_total",
-                   "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-                   "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
-                   "vllm:e2e_request_latency_seconds_bucket"):
+    assert any(
+        t.get("format") == "heatmap" and "vllm:request_num_preemptions_bucket" in t["expr"]
+        for p in heatmaps
+        for t in p["targets"]
+    )
+    for needle in (
+        "histogram_quantile(0.99, sum by (le, model_name, engine) (rate(vllm:request_num_preemptions_bucket",
+        'vllm:request_num_preemptions_bucket{le="0.5"',
+        'vllm:request_num_preemptions_bucket{le=~"4|4.0"',
+        "vllm:num_preemptions_by_reason_total",
+        "vllm:num_recomputed_tokens_total",
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:inter_token_latency_seconds_bucket",
+        "vllm:e2e_request_latency_seconds_bucket",
+    ):
         assert needle in exprs, needle
     ids = [p["id"] for p in panels]
     assert len(ids) == len(set(ids))
@@ -412,6 +438,7 @@ def test_dashboard_datasource_uids_exist_in_provisioning():
 
 # --------------------------------------------------------------------------------------------------
 # docker-compose
+
 
 def test_compose_mounts_point_at_files_that_exist():
     services = load_yaml(COMPOSE)["services"]

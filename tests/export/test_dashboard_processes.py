@@ -33,8 +33,13 @@ def test_expressions_sum_the_processes_into_one_series_per_model_and_engine(monk
     for key in ("OTEL_METRICS_EXPORTER", "OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_PROMETHEUS_PORT"):
         monkeypatch.delenv(key, raising=False)
     base = free_port()
-    config = otel_llm.TelemetryConfig(model_name="tiny", metrics_exporters=("prometheus",), traces_exporters=("none",),
-                                      prometheus_port=base, prometheus_ports=PROCESSES)
+    config = otel_llm.TelemetryConfig(
+        model_name="tiny",
+        metrics_exporters=("prometheus",),
+        traces_exporters=("none",),
+        prometheus_port=base,
+        prometheus_ports=PROCESSES,
+    )
     targets = [f"127.0.0.1:{base + i}" for i in range(PROCESSES)]
     with backend("prometheus"), start_prometheus(targets, rule_files=(RULES,)) as prometheus:
         handles = [otel_llm.setup_telemetry(config) for _ in range(PROCESSES)]
@@ -49,17 +54,23 @@ def test_expressions_sum_the_processes_into_one_series_per_model_and_engine(monk
                 preemptions += sum(o.num_preemptions for o in engine.run())
             handles[0].telemetry.on_events([RequestEvent(EventType.TOKENS, "ghost", 1.0, num_tokens=1)])  # one drop
             total = PROCESSES * NUM_REQUESTS
-            prometheus.wait_for("sum(vllm:request_num_preemptions_count)",
-                                lambda r: r and float(r[0]["value"][1]) == total, timeout=20)
-            assert float(query(prometheus, "sum(vllm:num_preemptions_total)")["data"]["result"][0]["value"][1]) \
+            prometheus.wait_for(
+                "sum(vllm:request_num_preemptions_count)", lambda r: r and float(r[0]["value"][1]) == total, timeout=20
+            )
+            assert (
+                float(query(prometheus, "sum(vllm:num_preemptions_total)")["data"]["result"][0]["value"][1])
                 == preemptions
+            )
             # Per target: each process's own series (two instances, the same model and engine).
             per_instance = query(prometheus, "vllm:request_num_preemptions_count")["data"]["result"]
             assert sorted(float(s["value"][1]) for s in per_instance) == [NUM_REQUESTS] * PROCESSES
             assert len({s["metric"]["instance"] for s in per_instance}) == PROCESSES
             prometheus.wait_for("model_name_engine:vllm_request_num_preemptions:thrashing_ratio_rate5m", bool, 20)
-            prometheus.wait_for('sum(otel_llm_dropped_events_total{reason="unknown_request"})',
-                                lambda r: r and r[0]["value"][1] == "1", timeout=20)
+            prometheus.wait_for(
+                'sum(otel_llm_dropped_events_total{reason="unknown_request"})',
+                lambda r: r and r[0]["value"][1] == "1",
+                timeout=20,
+            )
 
             for where, expr in all_expressions("tiny", "0", rate_interval="1m"):
                 answer = query(prometheus, expr)

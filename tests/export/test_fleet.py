@@ -19,9 +19,9 @@ from collections import Counter, defaultdict
 from typing import Any
 
 import pytest
-from tests.support.backends import rotel_to_sink, wait_until
 
 from otel_llm.buckets import REQUEST_NUM_PREEMPTIONS
+from tests.support.backends import rotel_to_sink, wait_until
 
 pytestmark = pytest.mark.backend
 
@@ -50,8 +50,11 @@ def _per_process(sink: Any, name: str, delta: bool) -> dict[str, dict[frozenset,
                     if kind == "histogram":
                         value: Any = (p.count, p.sum, tuple(p.bucket_counts))
                         if previous is not None:
-                            value = (previous[0] + value[0], previous[1] + value[1],
-                                     tuple(a + b for a, b in zip(previous[2], value[2])))
+                            value = (
+                                previous[0] + value[0],
+                                previous[1] + value[1],
+                                tuple(a + b for a, b in zip(previous[2], value[2])),
+                            )
                     else:
                         value = (p.as_int or p.as_double) + (previous or 0)
                     out[instance][key] = value
@@ -69,13 +72,35 @@ def test_a_fleet_of_engine_processes_adds_up_exactly_at_the_collector(clean_env,
     delta = temporality == "delta"
     with rotel_to_sink() as (sink, rotel):
         env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
-        env.update(ENGINE_STUB_PLUGINS="otel", OTEL_METRICS_EXPORTER="otlp", OTEL_TRACES_EXPORTER="otlp",
-                   OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{rotel.grpc_port}",
-                   OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
-                   OTEL_METRIC_EXPORT_INTERVAL="500", OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE=temporality)
-        procs = [subprocess.Popen([sys.executable, "-m", "engine_stub", "--requests", str(REQUESTS), "--seed", str(i),
-                                   "--kv-blocks", "24"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  text=True) for i in range(PROCESSES)]
+        env.update(
+            ENGINE_STUB_PLUGINS="otel",
+            OTEL_METRICS_EXPORTER="otlp",
+            OTEL_TRACES_EXPORTER="otlp",
+            OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{rotel.grpc_port}",
+            OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
+            OTEL_METRIC_EXPORT_INTERVAL="500",
+            OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE=temporality,
+        )
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "engine_stub",
+                    "--requests",
+                    str(REQUESTS),
+                    "--seed",
+                    str(i),
+                    "--kv-blocks",
+                    "24",
+                ],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for i in range(PROCESSES)
+        ]
         truths = []
         for proc in procs:
             out, err = proc.communicate(timeout=600)
@@ -90,8 +115,7 @@ def test_a_fleet_of_engine_processes_adds_up_exactly_at_the_collector(clean_env,
         def totals() -> list[tuple[int, int]]:
             success = _per_process(sink, "vllm:request_success", delta)
             preemptions = _per_process(sink, "vllm:num_preemptions", delta)
-            return sorted((int(sum(success[i].values())), int(sum(preemptions.get(i, {}).values())))
-                          for i in success)
+            return sorted((int(sum(success[i].values())), int(sum(preemptions.get(i, {}).values()))) for i in success)
 
         # Each process flushed at exit; its last exports cross rotel within its 50 ms batches.
         # Kept apart: each process's own totals are one of the ground truths.
@@ -102,8 +126,10 @@ def test_a_fleet_of_engine_processes_adds_up_exactly_at_the_collector(clean_env,
 
         spans = sink.spans()
         assert len(spans) == total_requests
-        assert len({next(a.value.string_value for a in s.attributes if a.key == "gen_ai.request.id")
-                    for s in spans}) == REQUESTS  # request ids repeat across processes: one span per request each
+        assert (
+            len({next(a.value.string_value for a in s.attributes if a.key == "gen_ai.request.id") for s in spans})
+            == REQUESTS
+        )  # request ids repeat across processes: one span per request each
 
         histogram = _per_process(sink, "vllm:request_num_preemptions", delta)
         assert len(histogram) == PROCESSES
@@ -112,8 +138,13 @@ def test_a_fleet_of_engine_processes_adds_up_exactly_at_the_collector(clean_env,
         assert sum(counts) == total_requests
         assert sum(v[1] for i in histogram for v in histogram[i].values()) == total_preemptions
         buckets = [sum(col) for col in zip(*(v[2] for i in histogram for v in histogram[i].values()))]
-        per_span = Counter(bisect.bisect_left(REQUEST_NUM_PREEMPTIONS, next(
-            a.value.int_value for a in s.attributes if a.key == "llm.request.num_preemptions")) for s in spans)
+        per_span = Counter(
+            bisect.bisect_left(
+                REQUEST_NUM_PREEMPTIONS,
+                next(a.value.int_value for a in s.attributes if a.key == "llm.request.num_preemptions"),
+            )
+            for s in spans
+        )
         assert buckets == [per_span.get(i, 0) for i in range(len(REQUEST_NUM_PREEMPTIONS) + 1)]
 
 
@@ -122,18 +153,38 @@ def test_a_process_killed_mid_export_leaves_the_survivors_totals_exact(clean_env
     the other two finish: their totals at the receiver are exactly theirs."""
     with rotel_to_sink() as (sink, rotel):
         env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
-        env.update(ENGINE_STUB_PLUGINS="otel", OTEL_METRICS_EXPORTER="otlp", OTEL_TRACES_EXPORTER="otlp",
-                   OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{rotel.grpc_port}",
-                   OTEL_EXPORTER_OTLP_PROTOCOL="grpc", OTEL_METRIC_EXPORT_INTERVAL="200")
-        victim = subprocess.Popen([sys.executable, "-m", "engine_stub", "--requests", "100000", "--seed", "9"],
-                                  env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        env.update(
+            ENGINE_STUB_PLUGINS="otel",
+            OTEL_METRICS_EXPORTER="otlp",
+            OTEL_TRACES_EXPORTER="otlp",
+            OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{rotel.grpc_port}",
+            OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
+            OTEL_METRIC_EXPORT_INTERVAL="200",
+        )
+        victim = subprocess.Popen(
+            [sys.executable, "-m", "engine_stub", "--requests", "100000", "--seed", "9"],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         try:
-            wait_until(lambda: len(_per_process(sink, "vllm:request_success", False)) == 1, 120, interval=0.1,
-                       what="the victim's first export")
+            wait_until(
+                lambda: len(_per_process(sink, "vllm:request_success", False)) == 1,
+                120,
+                interval=0.1,
+                what="the victim's first export",
+            )
             (victim_id,) = _per_process(sink, "vllm:request_success", False)
-            survivors = [subprocess.Popen([sys.executable, "-m", "engine_stub", "--requests", str(REQUESTS), "--seed",
-                                           str(i)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                         for i in range(2)]
+            survivors = [
+                subprocess.Popen(
+                    [sys.executable, "-m", "engine_stub", "--requests", str(REQUESTS), "--seed", str(i)],
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+                for i in range(2)
+            ]
             victim.kill()  # mid-run, between or during exports
             victim.wait(30)
             truths = []
@@ -148,8 +199,11 @@ def test_a_process_killed_mid_export_leaves_the_survivors_totals_exact(clean_env
         def survivors_totals() -> list[tuple[int, int]]:
             success = _per_process(sink, "vllm:request_success", False)
             preemptions = _per_process(sink, "vllm:num_preemptions", False)
-            return sorted((int(sum(success[i].values())), int(sum(preemptions.get(i, {}).values())))
-                          for i in success if i != victim_id)
+            return sorted(
+                (int(sum(success[i].values())), int(sum(preemptions.get(i, {}).values())))
+                for i in success
+                if i != victim_id
+            )
 
         # The survivors flushed at exit; their last exports cross rotel within its 50 ms batches.
         try:

@@ -49,7 +49,11 @@ def pipeline(request, otlp_env):
 def _engine():
     from engine_stub import Engine, EngineConfig
 
-    return Engine(EngineConfig(num_kv_blocks=12, block_size=16, max_num_seqs=16, max_num_batched_tokens=64, seed=0, load_plugins=False))
+    return Engine(
+        EngineConfig(
+            num_kv_blocks=12, block_size=16, max_num_seqs=16, max_num_batched_tokens=64, seed=0, load_plugins=False
+        )
+    )
 
 
 def _add(engine, ids) -> None:
@@ -100,12 +104,17 @@ def test_otlp_through_rotel(pipeline):
         try:
             wait_until(arrived, timeout=15, what=f"metrics and spans through rotel ({protocol})")
         except TimeoutError as exc:
-            raise AssertionError(f"{exc}; sink has {sorted(sink.metric_names())}, {len(sink.spans())} spans; rotel: {rotel.output()[-3000:]}") from None
+            raise AssertionError(
+                f"{exc}; sink has {sorted(sink.metric_names())}, {len(sink.spans())} spans; "
+                f"rotel: {rotel.output()[-3000:]}"
+            ) from None
     finally:
         handle.shutdown()
 
     if protocol == "http/protobuf":  # rotel's OTLP/HTTP exporter always gzips the second hop
-        assert any({k.lower(): v for k, v in h.items()}.get("content-encoding") == "gzip" for h in sink.headers), sink.headers[:1]
+        assert any({k.lower(): v for k, v in h.items()}.get("content-encoding") == "gzip" for h in sink.headers), (
+            sink.headers[:1]
+        )
 
     # --- the histogram: explicit bounds and exact bucket counts
     # force_flush() exported once, shutdown() may export again (cumulative: the same counts,
@@ -255,7 +264,12 @@ def test_rotel_to_rotel_debug_log(otlp_env):
         rid = re.search(r"gen_ai\.request\.id: Str\((.*?)\)", block).group(1)
         k = int(re.search(r"llm\.request\.num_preemptions: Int\((\d+)\)", block).group(1))
         assert k == truth[rid]
-        ordinals = [int(x) for x in re.findall(r"-> Name: preempted\n(?:.*\n){2}\s+-> Attributes::\n\s+-> ordinal: Int\((\d+)\)", block)]
+        ordinals = [
+            int(x)
+            for x in re.findall(
+                r"-> Name: preempted\n(?:.*\n){2}\s+-> Attributes::\n\s+-> ordinal: Int\((\d+)\)", block
+            )
+        ]
         assert ordinals == list(range(1, k + 1)), (rid, block)
         span_traces[re.search(r"Trace ID\s+: ([0-9a-f]{32})", block).group(1)] = rid
     assert set(span_traces.values()) == set(truth)

@@ -20,14 +20,17 @@ from otel_llm.prometheus import PrometheusEndpoint
 from tests.support.sdk_versions import needs_prometheus_exporter
 
 BOUNDS = (0.5, 1, 2, 3, 4, 5, 10, 20)
-OPENMETRICS = "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+OPENMETRICS = (
+    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+    "text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+)
 VALUES = [0, 0, 0, 1, 3, 3, 7, 25]  # per-request preemption counts
 LE = ["0.5", "1.0", "2.0", "3.0", "4.0", "5.0", "10.0", "20.0", "+Inf"]
 CUMULATIVE = [3, 4, 4, 6, 6, 6, 7, 7, 8]
 
 
 def _global_registry_names() -> set[str]:
-    return set(REGISTRY._names_to_collectors)  # noqa: SLF001 - the registry's own index
+    return set(REGISTRY._names_to_collectors)
 
 
 def _scrape(url: str, accept: str | None = None) -> tuple[str, str]:
@@ -111,7 +114,8 @@ def test_openmetrics_keeps_colon_and_carries_exemplars(setup):
     lines = body.splitlines()
     pattern = re.compile(
         r'^vllm:request_num_preemptions_bucket\{engine="0",le="(?P<le>[^"]+)",model_name="tiny"\} (?P<count>\S+)'
-        r'(?: # \{span_id="(?P<span>[0-9a-f]{16})",trace_id="(?P<trace>[0-9a-f]{32})"\} (?P<value>\S+) (?P<ts>\d+\.\d{9}))?$'
+        r'(?: # \{span_id="(?P<span>[0-9a-f]{16})",trace_id="(?P<trace>[0-9a-f]{32})"\} '
+        r"(?P<value>\S+) (?P<ts>\d+\.\d{9}))?$"
     )
     seen = {}
     for line in lines:
@@ -210,7 +214,7 @@ def test_port_zero_binds_loopback_only():
     try:
         assert endpoint.port > 0
         assert endpoint.url == f"http://127.0.0.1:{endpoint.port}/metrics"
-        assert endpoint._server.server_address[0] == "127.0.0.1"  # noqa: SLF001
+        assert endpoint._server.server_address[0] == "127.0.0.1"
     finally:
         endpoint.shutdown()
 
@@ -323,15 +327,26 @@ def test_processes_on_one_host_take_consecutive_ports_from_the_base(clean_env):
     from tests.support.backends import free_port
 
     base = free_port()
-    config = TelemetryConfig.from_env({"OTEL_METRICS_EXPORTER": "prometheus", "OTEL_TRACES_EXPORTER": "none",
-                                       "OTEL_EXPORTER_PROMETHEUS_PORT": str(base), "OTEL_LLM_PROMETHEUS_PORTS": "2"})
+    config = TelemetryConfig.from_env(
+        {
+            "OTEL_METRICS_EXPORTER": "prometheus",
+            "OTEL_TRACES_EXPORTER": "none",
+            "OTEL_EXPORTER_PROMETHEUS_PORT": str(base),
+            "OTEL_LLM_PROMETHEUS_PORTS": "2",
+        }
+    )
     first, second = setup_telemetry(config), setup_telemetry(config)
     try:
         assert (first.prometheus_port, second.prometheus_port) == (base, base + 1)
         with pytest.raises(OSError, match=rf"cannot bind 127.0.0.1:{base}..{base + 1}"):
             setup_telemetry(config)
-        single = TelemetryConfig.from_env({"OTEL_METRICS_EXPORTER": "prometheus", "OTEL_TRACES_EXPORTER": "none",
-                                           "OTEL_EXPORTER_PROMETHEUS_PORT": str(base)})
+        single = TelemetryConfig.from_env(
+            {
+                "OTEL_METRICS_EXPORTER": "prometheus",
+                "OTEL_TRACES_EXPORTER": "none",
+                "OTEL_EXPORTER_PROMETHEUS_PORT": str(base),
+            }
+        )
         with pytest.raises(OSError, match=rf"cannot bind 127.0.0.1:{base}: "):
             setup_telemetry(single)
     finally:

@@ -40,6 +40,7 @@ NAMES = {
     },
 }
 
+
 @pytest.fixture(scope="module")
 def ports():
     return {"vllm": free_port(), "semconv": free_port()}

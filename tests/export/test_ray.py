@@ -27,9 +27,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from ray.util import metrics as ray_metrics
 
-from tests.support.backends import BackendUnavailable, backend
-
 from otel_llm.buckets import REQUEST_NUM_PREEMPTIONS, validate_boundaries
+from tests.support.backends import BackendUnavailable, backend
 
 REPLICAS, REQUESTS = 2, 16
 
@@ -43,8 +42,14 @@ def test_rays_histogram_accepts_our_default_preemption_buckets_and_rejects_zero_
 
 
 @settings(max_examples=50, deadline=None)
-@given(st.lists(st.floats(min_value=1e-6, max_value=1e6, allow_nan=False, allow_infinity=False), min_size=1,
-                max_size=30, unique=True))
+@given(
+    st.lists(
+        st.floats(min_value=1e-6, max_value=1e6, allow_nan=False, allow_infinity=False),
+        min_size=1,
+        max_size=30,
+        unique=True,
+    )
+)
 def test_every_bucket_set_our_validation_accepts_ray_accepts(values: list[float]) -> None:
     bounds = validate_boundaries("preemption_buckets", sorted(values))
     histogram = ray_metrics.Histogram("request_num_preemptions_user", boundaries=list(bounds))
@@ -70,8 +75,14 @@ def test_replicas_as_ray_actors_push_otlp_with_their_identity_and_add_up() -> No
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "RAY_"))}
     with backend("ray"):
         try:
-            run = subprocess.run(["unshare", "--net", "--", "sh", "-c", command], capture_output=True, text=True,
-                                 timeout=900, env=env, cwd=Path(__file__).resolve().parents[2])
+            run = subprocess.run(
+                ["unshare", "--net", "--", "sh", "-c", command],
+                capture_output=True,
+                text=True,
+                timeout=900,
+                env=env,
+                cwd=Path(__file__).resolve().parents[2],
+            )
         except FileNotFoundError as exc:
             raise BackendUnavailable(f"unshare: {exc}") from None
         if run.returncode != 0:

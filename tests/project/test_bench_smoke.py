@@ -34,8 +34,13 @@ def _numbers(value, path="$"):
 
 def test_bench_tiny_writes_every_section(tmp_path: Path) -> None:
     out = tmp_path / "results-tiny.json"
-    proc = subprocess.run([sys.executable, "-m", "bench", "--tiny", "--out", str(out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "--tiny", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads(out.read_text())
     assert results["tiny"] is True

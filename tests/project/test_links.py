@@ -21,8 +21,12 @@ from typing import Iterator
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "bench" / "README.md",
-        ROOT / "collector" / "README.md"]
+DOCS = [
+    ROOT / "README.md",
+    *sorted((ROOT / "docs").glob("*.md")),
+    ROOT / "bench" / "README.md",
+    ROOT / "collector" / "README.md",
+]
 CODE_SUFFIXES = {".py", ".mk", ".toml", ".yaml", ".yml", ".cfg", ".ini", ".sh"}
 CODE_NAMES = {"Makefile", "run"}  # .ci/run
 
@@ -37,9 +41,13 @@ DOC_REF = re.compile(r"(?<![\w./-])((?:[\w.-]+/)*[\w.-]+\.md|docs/(?:[\w./-]*[\w
 def top_level_entries(folder: Path) -> set[str]:
     """What a backticked path may start with: the folder's entries, less the local ones
     (virtualenvs, caches, build output) a fresh checkout does not have."""
-    return {p.name for p in folder.iterdir()
-            if not (p.name.startswith(".") and p.name != ".ci") and not p.name.endswith(".egg-info")
-            and p.name not in ("__pycache__", "build")}
+    return {
+        p.name
+        for p in folder.iterdir()
+        if not (p.name.startswith(".") and p.name != ".ci")
+        and not p.name.endswith(".egg-info")
+        and p.name not in ("__pycache__", "build")
+    }
 
 
 def prose(text: str) -> str:
@@ -92,15 +100,22 @@ def broken_paths(doc: Path) -> Iterator[str]:
             continue
         first = span.split("/")[0]
         is_path = ("/" in span and any(first in entries for entries in roots.values())) or (
-            "/" not in span and FILE_SUFFIX.search(span) is not None)
+            "/" not in span and FILE_SUFFIX.search(span) is not None
+        )
         if is_path and not any((base / span).exists() for base in roots):
             yield f"`{span}`: no such file (from the repository root or {doc.parent.relative_to(ROOT) or '.'})"
 
 
 def code_files() -> Iterator[Path]:
     for folder, dirs, files in os.walk(ROOT):
-        dirs[:] = [d for d in dirs if (not d.startswith(".") or d == ".ci") and d != "__pycache__"
-                   and not d.endswith(".egg-info") and d != "build"]
+        dirs[:] = [
+            d
+            for d in dirs
+            if (not d.startswith(".") or d == ".ci")
+            and d != "__pycache__"
+            and not d.endswith(".egg-info")
+            and d != "build"
+        ]
         for name in files:
             path = Path(folder) / name
             if path.suffix in CODE_SUFFIXES or name in CODE_NAMES:
@@ -131,8 +146,11 @@ def commentary(path: Path) -> Iterator[tuple[int, str]]:
     for node in ast.walk(ast.parse(text)):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
             first = node.body[0]
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(
-                    first.value.value, str):
+            if (
+                isinstance(first, ast.Expr)
+                and isinstance(first.value, ast.Constant)
+                and isinstance(first.value.value, str)
+            ):
                 yield first.lineno, first.value.value
 
 
@@ -158,7 +176,11 @@ def test_the_checks_catch_what_they_are_for(tmp_path: Path) -> None:
     finally:
         fake.unlink()
     assert DOC_REF.findall("see DESIGN.md §8, docs/vllm.md, docs/ and ../collector/README.md.") == [
-        "DESIGN.md", "docs/vllm.md", "docs/", "../collector/README.md"]
+        "DESIGN.md",
+        "docs/vllm.md",
+        "docs/",
+        "../collector/README.md",
+    ]
     probe = tmp_path / "probe.py"
     probe.write_text('"""See DESIGN.md."""\nx = "README.md"  # and docs/gone.md\n')
     assert [text for _, text in commentary(probe)] == ["# and docs/gone.md", "See DESIGN.md."]

@@ -13,8 +13,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def demo_command(*overrides: str) -> list[str]:
     """The command `make demo` would run (dry run; READY= leaves out the set-up)."""
-    out = subprocess.run(["make", "-s", "-n", "demo", "READY=", *overrides], cwd=ROOT, capture_output=True,
-                         text=True, check=True).stdout
+    out = subprocess.run(
+        ["make", "-s", "-n", "demo", "READY=", *overrides], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
     [line] = [line for line in out.splitlines() if "otel-llm demo" in line]
     return line.split()
 

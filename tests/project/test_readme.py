@@ -24,8 +24,11 @@ def _bounds(values) -> str:
 
 def render_metric_table() -> str:
     vllm, semconv = TelemetryConfig(), TelemetryConfig(naming="semconv")
-    rows = ["| vllm profile | semconv profile | type | unit | extra label | buckets (vllm; semconv if different) "
-            "| meaning |", "|---|---|---|---|---|---|---|"]
+    rows = [
+        "| vllm profile | semconv profile | type | unit | extra label | buckets (vllm; semconv if different) "
+        "| meaning |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for m in METRICS:
         buckets = ""
         if m.kind == "histogram":
@@ -33,8 +36,7 @@ def render_metric_table() -> str:
             if m.boundaries(semconv) != m.boundaries(vllm):
                 buckets += f"; {_bounds(m.boundaries(semconv))}"
         unit = f"`{m.unit}`" if m.unit else ""
-        rows.append(f"| `{m.vllm}` | `{m.semconv}` | {m.kind} | {unit} | {m.label or ''} | {buckets} "
-                    f"| {m.meaning} |")
+        rows.append(f"| `{m.vllm}` | `{m.semconv}` | {m.kind} | {unit} | {m.label or ''} | {buckets} | {m.meaning} |")
     return "\n".join(rows)
 
 

@@ -23,21 +23,33 @@ from engine_stub import Engine, EngineConfig
 from engine_stub.workload import WorkloadSpec, generate, run_workload
 from otel_llm import EngineTelemetry, EventType, RequestEvent, TelemetryConfig
 from otel_llm.labels import OVERFLOW_LABEL_VALUE
-
 from tests.support.otel_helpers import BOTH_PATHS
 
 E = EventType
 ALLOWED_KEYS = {
     "vllm": {"model_name", "engine", "reason", "finished_reason"},
-    "semconv": {"gen_ai.request.model", "llm.engine", "gen_ai.operation.name", "gen_ai.provider.name",
-                "gen_ai.response.finish_reason", "llm.preemption.reason", "reason", "error.type"},
+    "semconv": {
+        "gen_ai.request.model",
+        "llm.engine",
+        "gen_ai.operation.name",
+        "gen_ai.provider.name",
+        "gen_ai.response.finish_reason",
+        "llm.preemption.reason",
+        "reason",
+        "error.type",
+    },
 }
 
 
 def all_points(reader: InMemoryMetricReader) -> list[tuple[str, object]]:
     data = reader.get_metrics_data()
-    return [(m.name, p) for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
-            for p in m.data.data_points]
+    return [
+        (m.name, p)
+        for rm in data.resource_metrics
+        for sm in rm.scope_metrics
+        for m in sm.metrics
+        for p in m.data.data_points
+    ]
 
 
 @pytest.mark.parametrize("naming", ["vllm", "semconv"])
@@ -49,8 +61,9 @@ def test_ids_prompts_and_trace_ids_never_become_metric_attributes(naming):
     tracer_provider = TracerProvider()
     tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
     telemetry = EngineTelemetry(config, meter_provider=provider, tracer_provider=tracer_provider)
-    engine = Engine(EngineConfig(num_kv_blocks=12, max_num_seqs=16, max_num_batched_tokens=64, seed=0,
-                                 load_plugins=False))
+    engine = Engine(
+        EngineConfig(num_kv_blocks=12, max_num_seqs=16, max_num_batched_tokens=64, seed=0, load_plugins=False)
+    )
     engine.hooks.subscribe(telemetry)
     requests = generate(WorkloadSpec(num_requests=40, seed=3), 180)
 
@@ -88,10 +101,13 @@ def test_a_hundred_thousand_distinct_reasons_stay_within_max_label_values(paths)
     batch: list[RequestEvent] = []
     for i in range(n):
         rid = f"r{i}"
-        batch += [RequestEvent(E.ARRIVED, rid, 1.0, prompt_tokens=1), RequestEvent(E.SCHEDULED, rid, 1.0),
-                  RequestEvent(E.PREEMPTED, rid, 1.0, num_computed_tokens=1, reason=f"user-reason-{i}"),
-                  RequestEvent(E.SCHEDULED, rid, 1.0),
-                  RequestEvent(E.FINISHED, rid, 2.0, finish_reason=f"user-finish-{i}")]
+        batch += [
+            RequestEvent(E.ARRIVED, rid, 1.0, prompt_tokens=1),
+            RequestEvent(E.SCHEDULED, rid, 1.0),
+            RequestEvent(E.PREEMPTED, rid, 1.0, num_computed_tokens=1, reason=f"user-reason-{i}"),
+            RequestEvent(E.SCHEDULED, rid, 1.0),
+            RequestEvent(E.FINISHED, rid, 2.0, finish_reason=f"user-finish-{i}"),
+        ]
         if len(batch) >= 5000:
             telemetry.on_events(batch)
             batch = []
@@ -116,8 +132,12 @@ def test_model_names_are_configuration_not_event_payload():
     provider = MeterProvider(metric_readers=[reader], views=otel_llm.views(config))
     telemetry = EngineTelemetry(config, meter_provider=provider)
     for i in range(1000):
-        telemetry.on_events([RequestEvent(E.ARRIVED, f"r{i}", 1.0, prompt_tokens=1),
-                             RequestEvent(E.FINISHED, f"r{i}", 2.0, finish_reason="stop")])
+        telemetry.on_events(
+            [
+                RequestEvent(E.ARRIVED, f"r{i}", 1.0, prompt_tokens=1),
+                RequestEvent(E.FINISHED, f"r{i}", 2.0, finish_reason="stop"),
+            ]
+        )
     models = {p.attributes.get("model_name") for _, p in all_points(reader)}
     assert models == {"configured"}
     assert not hasattr(RequestEvent(E.ARRIVED, "x", 1.0), "model_name")

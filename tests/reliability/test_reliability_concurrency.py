@@ -40,8 +40,10 @@ def request_events(prefix: str, i: int) -> list[list[RequestEvent]]:
     rid = f"{prefix}-{i}"
     t = float(i % 50)
     preemptions = i % 4
-    steps = [[RequestEvent(E.ARRIVED, rid, t, prompt_tokens=10 + i % 7, max_tokens=32),
-              RequestEvent(E.QUEUED, rid, t)], [RequestEvent(E.SCHEDULED, rid, t + 0.25)]]
+    steps = [
+        [RequestEvent(E.ARRIVED, rid, t, prompt_tokens=10 + i % 7, max_tokens=32), RequestEvent(E.QUEUED, rid, t)],
+        [RequestEvent(E.SCHEDULED, rid, t + 0.25)],
+    ]
     for k in range(preemptions):
         steps.append([RequestEvent(E.PREEMPTED, rid, t + 0.5 + k, num_computed_tokens=16, reason="kv_cache_full")])
         steps.append([RequestEvent(E.SCHEDULED, rid, t + 0.75 + k)])
@@ -106,13 +108,21 @@ class CheckingExporter(MetricExporter):
 def points(data: Any) -> list[tuple[str, Any]]:
     if data is None:
         return []
-    return [(m.name, p) for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
-            for p in m.data.data_points]
+    return [
+        (m.name, p)
+        for rm in data.resource_metrics
+        for sm in rm.scope_metrics
+        for m in sm.metrics
+        for p in m.data.data_points
+    ]
 
 
 def torn_points(data: Any) -> list[str]:
-    return [f"{name}: count {p.count} != sum(buckets) {sum(p.bucket_counts)}"
-            for name, p in points(data) if isinstance(p, HistogramDataPoint) and p.count != sum(p.bucket_counts)]
+    return [
+        f"{name}: count {p.count} != sum(buckets) {sum(p.bucket_counts)}"
+        for name, p in points(data)
+        if isinstance(p, HistogramDataPoint) and p.count != sum(p.bucket_counts)
+    ]
 
 
 def totals(data: Any) -> dict[tuple, tuple]:
@@ -126,17 +136,22 @@ def totals(data: Any) -> dict[tuple, tuple]:
     return out
 
 
-def build(two_engines: bool, defer_steps: int = 1
-          ) -> tuple[MeterProvider, InMemoryMetricReader, CheckingExporter, list[EngineTelemetry]]:
+def build(
+    two_engines: bool, defer_steps: int = 1
+) -> tuple[MeterProvider, InMemoryMetricReader, CheckingExporter, list[EngineTelemetry]]:
     config = TelemetryConfig(model_name="m", spans=False, defer_steps=defer_steps)
     reader = InMemoryMetricReader()
     exporter = CheckingExporter(Progress())
     periodic = PeriodicExportingMetricReader(exporter, export_interval_millis=5)
     provider = MeterProvider(metric_readers=[reader, periodic], views=otel_llm.views(config))
     first = EngineTelemetry(config, meter_provider=provider)
-    second = EngineTelemetry(TelemetryConfig(model_name="m", engine="1", spans=False, defer_steps=defer_steps),
-                             meter_provider=provider) \
-        if two_engines else first
+    second = (
+        EngineTelemetry(
+            TelemetryConfig(model_name="m", engine="1", spans=False, defer_steps=defer_steps), meter_provider=provider
+        )
+        if two_engines
+        else first
+    )
     return provider, reader, exporter, [first, second]
 
 

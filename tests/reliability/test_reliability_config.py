@@ -20,7 +20,6 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 import otel_llm
 from otel_llm import EngineTelemetry, EventType, RequestEvent, TelemetryConfig, sdk_env, setup_telemetry
 from otel_llm.config import ENV_VARIABLES
-
 from tests.support.otel_helpers import BOTH_PATHS
 
 E = EventType
@@ -85,8 +84,9 @@ def _one_clear_message(exc: BaseException, setting: str, value: object, words: t
     for word in words:
         assert word in message, f"message lacks the rule ({word!r}): {message}"
     assert "\n" not in message and "Traceback" not in message
-    assert exc.__cause__ is None and exc.__suppress_context__ or exc.__context__ is None, \
+    assert exc.__cause__ is None and exc.__suppress_context__ or exc.__context__ is None, (
         "the ValueError should stand alone, not chained to an SDK traceback"
+    )
 
 
 @pytest.mark.parametrize("setting,value,words", BAD_KWARGS, ids=[f"{s}={v!r}" for s, v, _ in BAD_KWARGS])
@@ -163,16 +163,22 @@ BAD_SDK_ENV = [
     ("OTEL_RESOURCE_ATTRIBUTES", "team=llm,garbage", ("must be key=value",)),
 ]
 BAD_SAMPLER_ARG = {"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "1.5"}
-BASE_ENV = {"OTEL_METRICS_EXPORTER": "otlp", "OTEL_TRACES_EXPORTER": "otlp",
-            "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9"}
+BASE_ENV = {
+    "OTEL_METRICS_EXPORTER": "otlp",
+    "OTEL_TRACES_EXPORTER": "otlp",
+    "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9",
+}
 
 
 def test_every_variable_config_parses_has_a_bad_value_case():
     assert {var for var, _, _ in BAD_ENV} == set(ENV_VARIABLES)
 
 
-@pytest.mark.parametrize("var,raw,words", [c for c in BAD_ENV if c[1] is not None],
-                         ids=[f"{v}={r!r}" for v, r, _ in BAD_ENV if r is not None])
+@pytest.mark.parametrize(
+    "var,raw,words",
+    [c for c in BAD_ENV if c[1] is not None],
+    ids=[f"{v}={r!r}" for v, r, _ in BAD_ENV if r is not None],
+)
 def test_invalid_environment_value_fails_in_from_env_and_setup(var, raw, words):
     env = {**BASE_ENV, var: raw}
     with pytest.raises(ValueError) as info:
@@ -217,14 +223,21 @@ def test_malformed_headers_fail_in_setup_without_showing_the_secret(var, caplog)
 def test_valid_sdk_variables_are_accepted(clean_env):
     """No false alarms: values the SDK takes are taken (set in os.environ, which the SDK reads)."""
     # Fractional seconds where the OTLP exporters take them (SDK 1.28's read an integer).
-    good = {"OTEL_EXPORTER_OTLP_TIMEOUT": "2" if sdk_env.integer_timeouts() else "2.5",
-            "OTEL_EXPORTER_OTLP_COMPRESSION": "GZIP",
-            "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL": "http/protobuf", "OTEL_EXPORTER_OTLP_METRICS_COMPRESSION": "none",
-            "OTEL_EXPORTER_OTLP_HEADERS": "authorization=Bearer abc%20def , x-tenant=acme,",
-            "OTEL_METRIC_EXPORT_TIMEOUT": "5000", "OTEL_BSP_MAX_QUEUE_SIZE": "64",
-            "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "64", "OTEL_BSP_SCHEDULE_DELAY": "200", "OTEL_BSP_EXPORT_TIMEOUT": "0",
-            "OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.25",
-            "OTEL_RESOURCE_ATTRIBUTES": "team=llm, region=eu-west=1"}
+    good = {
+        "OTEL_EXPORTER_OTLP_TIMEOUT": "2" if sdk_env.integer_timeouts() else "2.5",
+        "OTEL_EXPORTER_OTLP_COMPRESSION": "GZIP",
+        "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL": "http/protobuf",
+        "OTEL_EXPORTER_OTLP_METRICS_COMPRESSION": "none",
+        "OTEL_EXPORTER_OTLP_HEADERS": "authorization=Bearer abc%20def , x-tenant=acme,",
+        "OTEL_METRIC_EXPORT_TIMEOUT": "5000",
+        "OTEL_BSP_MAX_QUEUE_SIZE": "64",
+        "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "64",
+        "OTEL_BSP_SCHEDULE_DELAY": "200",
+        "OTEL_BSP_EXPORT_TIMEOUT": "0",
+        "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+        "OTEL_TRACES_SAMPLER_ARG": "0.25",
+        "OTEL_RESOURCE_ATTRIBUTES": "team=llm, region=eu-west=1",
+    }
     for var, value in {**BASE_ENV, **good}.items():
         clean_env.setenv(var, value)
     handle = setup_telemetry(TelemetryConfig(model_name="m"))
@@ -250,9 +263,14 @@ def _bindable(port: int) -> bool:
             return False
 
 
-@pytest.mark.parametrize("var,raw", [("OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", "thrift"),
-                                     ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "ftp://x"),
-                                     ("OTEL_BSP_MAX_QUEUE_SIZE", "abc")])
+@pytest.mark.parametrize(
+    "var,raw",
+    [
+        ("OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", "thrift"),
+        ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "ftp://x"),
+        ("OTEL_BSP_MAX_QUEUE_SIZE", "abc"),
+    ],
+)
 def test_a_failed_setup_leaves_no_listener_behind(var, raw):
     """The Prometheus endpoint must not stay bound when a later setting fails setup."""
     port = _free_port()
@@ -268,8 +286,10 @@ def test_prometheus_port_taken_fails_at_setup_with_the_address():
         taken.listen()
         port = taken.getsockname()[1]
         with pytest.raises(OSError) as info:
-            setup_telemetry(TelemetryConfig(metrics_exporters=("prometheus",), traces_exporters=("none",),
-                                            prometheus_port=port), environ={})
+            setup_telemetry(
+                TelemetryConfig(metrics_exporters=("prometheus",), traces_exporters=("none",), prometheus_port=port),
+                environ={},
+            )
         assert f"127.0.0.1:{port}" in str(info.value)
 
 
@@ -297,14 +317,32 @@ def test_an_accepted_config_never_fails_on_record(bounds, paths, caplog):
         events = [RequestEvent(E.ARRIVED, rid, 1.0, prompt_tokens=3), RequestEvent(E.SCHEDULED, rid, 1.0)]
         for _ in range(preemptions):
             events += [RequestEvent(E.PREEMPTED, rid, 1.0, reason="kv_cache_full"), RequestEvent(E.SCHEDULED, rid, 1.0)]
-        events += [RequestEvent(E.TOKENS, rid, 2.0, num_tokens=1), RequestEvent(E.FINISHED, rid, 2.0, finish_reason="stop")]
+        events += [
+            RequestEvent(E.TOKENS, rid, 2.0, num_tokens=1),
+            RequestEvent(E.FINISHED, rid, 2.0, finish_reason="stop"),
+        ]
         telemetry.on_events(events)
     data = reader.get_metrics_data()
-    points = [p for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
-              if m.name == "vllm:request_num_preemptions" for p in m.data.data_points]
+    points = [
+        p
+        for rm in data.resource_metrics
+        for sm in rm.scope_metrics
+        for m in sm.metrics
+        if m.name == "vllm:request_num_preemptions"
+        for p in m.data.data_points
+    ]
     assert len(points) == 1 and points[0].count == 4 and tuple(points[0].explicit_bounds) == tuple(bounds)
-    assert not any(p.attributes.get("reason") and p.value for rm in data.resource_metrics for sm in rm.scope_metrics
-                   for m in sm.metrics if m.name == "otel_llm.dropped_events" for p in m.data.data_points)
-    assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "otel_llm" in r.name
-                and "without otel_llm.views" not in r.getMessage()], caplog.text
+    assert not any(
+        p.attributes.get("reason") and p.value
+        for rm in data.resource_metrics
+        for sm in rm.scope_metrics
+        for m in sm.metrics
+        if m.name == "otel_llm.dropped_events"
+        for p in m.data.data_points
+    )
+    assert not [
+        r
+        for r in caplog.records
+        if r.levelno >= logging.WARNING and "otel_llm" in r.name and "without otel_llm.views" not in r.getMessage()
+    ], caplog.text
     provider.shutdown()

@@ -64,7 +64,8 @@ class Rig:
 
     def __init__(self, paths: dict[str, Any], max_inflight: int = 100_000, spans: bool = True) -> None:
         self.otel = in_memory_telemetry(
-            TelemetryConfig(model_name="m", max_inflight_requests=max_inflight, spans=spans), **paths)
+            TelemetryConfig(model_name="m", max_inflight_requests=max_inflight, spans=spans), **paths
+        )
         self.telemetry = self.otel.telemetry
         self.exporter = self.otel.span_exporter
         self.bus = HookBus()
@@ -105,13 +106,16 @@ def comparable(metrics: dict[str, list[Any]]) -> dict[tuple, tuple]:
 def span_digest(exporter: InMemorySpanExporter) -> list[tuple]:
     spans = []
     for s in exporter.get_finished_spans():
-        spans.append((
-            s.attributes["gen_ai.request.id"],
-            tuple(sorted((k, v) for k, v in s.attributes.items())),
-            # Each telemetry converts engine time with its own wall-clock offset: compare relative times.
-            tuple((e.name, tuple(sorted(e.attributes.items())), e.timestamp - s.start_time) for e in s.events),
-            s.end_time - s.start_time, s.status.status_code,
-        ))
+        spans.append(
+            (
+                s.attributes["gen_ai.request.id"],
+                tuple(sorted((k, v) for k, v in s.attributes.items())),
+                # Each telemetry converts engine time with its own wall-clock offset: compare relative times.
+                tuple((e.name, tuple(sorted(e.attributes.items())), e.timestamp - s.start_time) for e in s.events),
+                s.end_time - s.start_time,
+                s.status.status_code,
+            )
+        )
     return sorted(spans)
 
 
@@ -120,7 +124,8 @@ def span_digest(exporter: InMemorySpanExporter) -> list[tuple]:
 
 @dataclass
 class Garbage:
-    anchor: str  # where it goes: "any", or "<rid>:inflight", "<rid>:running", "<rid>:has_token", "<rid>:waiting", "<rid>:after"
+    # Where it goes: "any", or "<rid>:inflight", "<rid>:running", "<rid>:has_token", "<rid>:waiting", "<rid>:after".
+    anchor: str
     event: Any
     reason: str
 
@@ -131,9 +136,17 @@ def valid_request(draw: Any, index: int) -> list[RequestEvent]:
     rid = f"v{index}"
     ts = draw(st.floats(1.0, 1000.0))
     step = st.sampled_from([0.0, 0.001, 0.01, 0.25, 1.5])
-    events = [RequestEvent(E.ARRIVED, rid, ts, prompt_tokens=draw(st.integers(0, 4000)),
-                           max_tokens=draw(st.integers(0, 4000)), num_cached_tokens=draw(st.integers(0, 50))),
-              RequestEvent(E.QUEUED, rid, ts)]
+    events = [
+        RequestEvent(
+            E.ARRIVED,
+            rid,
+            ts,
+            prompt_tokens=draw(st.integers(0, 4000)),
+            max_tokens=draw(st.integers(0, 4000)),
+            num_cached_tokens=draw(st.integers(0, 50)),
+        ),
+        RequestEvent(E.QUEUED, rid, ts),
+    ]
     for _ in range(draw(st.integers(0, 4))):  # scheduled, maybe tokens, then preempted
         ts += draw(step)
         events.append(RequestEvent(E.SCHEDULED, rid, ts))
@@ -141,8 +154,15 @@ def valid_request(draw: Any, index: int) -> list[RequestEvent]:
             ts += draw(step)
             events.append(RequestEvent(E.TOKENS, rid, ts, num_tokens=draw(st.integers(0, 3))))
         ts += draw(step)
-        events.append(RequestEvent(E.PREEMPTED, rid, ts, num_computed_tokens=draw(st.integers(0, 500)),
-                                   reason=draw(st.sampled_from(["kv_cache_full", "priority"]))))
+        events.append(
+            RequestEvent(
+                E.PREEMPTED,
+                rid,
+                ts,
+                num_computed_tokens=draw(st.integers(0, 500)),
+                reason=draw(st.sampled_from(["kv_cache_full", "priority"])),
+            )
+        )
     if draw(st.booleans()):  # aborted while waiting, or finishes after running
         ts += draw(step)
         events.append(RequestEvent(E.SCHEDULED, rid, ts))
@@ -159,9 +179,18 @@ def valid_request(draw: Any, index: int) -> list[RequestEvent]:
 
 NOT_A_NUMBER = st.sampled_from([math.nan, math.inf, -math.inf, "3", None, 2.5, -1, True, [1]])
 BAD_TIMESTAMP = st.sampled_from([math.nan, math.inf, -math.inf, 1e300, 2e10, "now", None, b"1", complex(1, 1)])
-NON_EVENTS = st.sampled_from([None, 42, "ARRIVED", b"x", {"type": "arrived"}, object(),
-                              RequestEvent("bogus", "v0", 1.0),  # type: ignore[arg-type]
-                              RequestEvent(None, "v0", 1.0)])  # type: ignore[arg-type]
+NON_EVENTS = st.sampled_from(
+    [
+        None,
+        42,
+        "ARRIVED",
+        b"x",
+        {"type": "arrived"},
+        object(),
+        RequestEvent("bogus", "v0", 1.0),  # type: ignore[arg-type]
+        RequestEvent(None, "v0", 1.0),
+    ]
+)  # type: ignore[arg-type]
 NON_ARRIVED = st.sampled_from([E.QUEUED, E.SCHEDULED, E.PREEMPTED, E.FIRST_TOKEN, E.TOKENS, E.FINISHED])
 
 
@@ -171,8 +200,16 @@ def garbage_for(draw: Any, request: list[RequestEvent]) -> Garbage:
     rid = request[0].request_id
     arrival = request[0].timestamp
     end = request[-1].timestamp  # >= every timestamp of the request: passes the time check
-    kinds = ["duplicate_arrival", "backwards", "bad_time", "bad_tokens", "bad_finish", "bad_preempt_value",
-             "after_finish", "duplicate_finish"]
+    kinds = [
+        "duplicate_arrival",
+        "backwards",
+        "bad_time",
+        "bad_tokens",
+        "bad_finish",
+        "bad_preempt_value",
+        "after_finish",
+        "duplicate_finish",
+    ]
     if any(e.type is E.SCHEDULED for e in request):
         kinds += ["scheduled_twice", "preempted_while_waiting"]
     if any(e.type in (E.FIRST_TOKEN, E.TOKENS) for e in request):
@@ -182,34 +219,48 @@ def garbage_for(draw: Any, request: list[RequestEvent]) -> Garbage:
         return Garbage(f"{rid}:inflight", RequestEvent(E.ARRIVED, rid, end, prompt_tokens=1), t.DUPLICATE_ARRIVAL)
     if kind == "backwards":
         ts = arrival - draw(st.sampled_from([1e-9, 0.5, 1e6]))
-        return Garbage(f"{rid}:inflight", RequestEvent(draw(NON_ARRIVED), rid, ts, finish_reason="stop"),
-                       t.TIME_BACKWARDS)
+        return Garbage(
+            f"{rid}:inflight", RequestEvent(draw(NON_ARRIVED), rid, ts, finish_reason="stop"), t.TIME_BACKWARDS
+        )
     if kind == "bad_time":
         ts = draw(BAD_TIMESTAMP)
-        return Garbage(f"{rid}:inflight", RequestEvent(draw(NON_ARRIVED), rid, ts, finish_reason="stop"),
-                       t.INVALID_VALUE)
+        return Garbage(
+            f"{rid}:inflight", RequestEvent(draw(NON_ARRIVED), rid, ts, finish_reason="stop"), t.INVALID_VALUE
+        )
     if kind == "bad_tokens":
-        return Garbage(f"{rid}:inflight", RequestEvent(E.TOKENS, rid, end, num_tokens=draw(NOT_A_NUMBER)),
-                       t.INVALID_VALUE)
+        return Garbage(
+            f"{rid}:inflight", RequestEvent(E.TOKENS, rid, end, num_tokens=draw(NOT_A_NUMBER)), t.INVALID_VALUE
+        )
     if kind == "bad_finish":
         reason = draw(st.sampled_from([None, 5, b"stop", ["stop"]]))
         return Garbage(f"{rid}:inflight", RequestEvent(E.FINISHED, rid, end, finish_reason=reason), t.INVALID_VALUE)
     if kind == "bad_preempt_value":
         tokens = draw(NOT_A_NUMBER)
-        return Garbage(f"{rid}:running", RequestEvent(E.PREEMPTED, rid, end, num_computed_tokens=tokens,
-                                                      reason="kv_cache_full"), t.INVALID_VALUE)
+        return Garbage(
+            f"{rid}:running",
+            RequestEvent(E.PREEMPTED, rid, end, num_computed_tokens=tokens, reason="kv_cache_full"),
+            t.INVALID_VALUE,
+        )
     if kind == "after_finish":
-        return Garbage(f"{rid}:after", RequestEvent(draw(st.sampled_from([E.QUEUED, E.SCHEDULED, E.PREEMPTED,
-                                                                          E.FIRST_TOKEN, E.TOKENS])),
-                                                    rid, draw(st.sampled_from([end, end + 5, 0.0]))), t.AFTER_FINISH)
+        return Garbage(
+            f"{rid}:after",
+            RequestEvent(
+                draw(st.sampled_from([E.QUEUED, E.SCHEDULED, E.PREEMPTED, E.FIRST_TOKEN, E.TOKENS])),
+                rid,
+                draw(st.sampled_from([end, end + 5, 0.0])),
+            ),
+            t.AFTER_FINISH,
+        )
     if kind == "duplicate_finish":
-        return Garbage(f"{rid}:after", RequestEvent(E.FINISHED, rid, end + 1, finish_reason="stop"),
-                       t.DUPLICATE_FINISH)
+        return Garbage(f"{rid}:after", RequestEvent(E.FINISHED, rid, end + 1, finish_reason="stop"), t.DUPLICATE_FINISH)
     if kind == "scheduled_twice":
         return Garbage(f"{rid}:running", RequestEvent(E.SCHEDULED, rid, end), t.INVALID_TRANSITION)
     if kind == "preempted_while_waiting":
-        return Garbage(f"{rid}:waiting", RequestEvent(E.PREEMPTED, rid, end, num_computed_tokens=3,
-                                                      reason="kv_cache_full"), t.INVALID_TRANSITION)
+        return Garbage(
+            f"{rid}:waiting",
+            RequestEvent(E.PREEMPTED, rid, end, num_computed_tokens=3, reason="kv_cache_full"),
+            t.INVALID_TRANSITION,
+        )
     assert kind == "first_token_twice"
     return Garbage(f"{rid}:has_token", RequestEvent(E.FIRST_TOKEN, rid, end), t.INVALID_TRANSITION)
 
@@ -219,10 +270,10 @@ def free_garbage(draw: Any) -> Garbage:
     """Garbage whose reason does not depend on any request's state."""
     kind = draw(st.sampled_from(["unknown", "non_event", "bad_arrival"]))
     if kind == "unknown":
-        rid = draw(st.one_of(st.text(min_size=0, max_size=20).map(lambda s: "g" + s),
-                             st.text(min_size=300, max_size=400)))
-        return Garbage("any", RequestEvent(draw(NON_ARRIVED), rid, draw(st.floats(allow_nan=True))),
-                       t.UNKNOWN_REQUEST)
+        rid = draw(
+            st.one_of(st.text(min_size=0, max_size=20).map(lambda s: "g" + s), st.text(min_size=300, max_size=400))
+        )
+        return Garbage("any", RequestEvent(draw(NON_ARRIVED), rid, draw(st.floats(allow_nan=True))), t.UNKNOWN_REQUEST)
     if kind == "non_event":
         return Garbage("any", draw(NON_EVENTS), t.UNKNOWN_EVENT_TYPE)
     # ARRIVED with a wrong id, timestamp or count: rejected whatever the id
@@ -237,7 +288,9 @@ def free_garbage(draw: Any) -> Garbage:
     elif bad == "ts":
         ts = draw(st.sampled_from([math.nan, math.inf, -math.inf, -1.0, 1e300, "0", None]))
     else:
-        kwargs[{"prompt": "prompt_tokens", "max": "max_tokens", "cached": "num_cached_tokens"}[bad]] = draw(NOT_A_NUMBER)
+        kwargs[{"prompt": "prompt_tokens", "max": "max_tokens", "cached": "num_cached_tokens"}[bad]] = draw(
+            NOT_A_NUMBER
+        )
     return Garbage("any", RequestEvent(E.ARRIVED, rid, ts, **kwargs), t.INVALID_VALUE)
 
 
@@ -320,8 +373,9 @@ def drop_logs():
 
 
 @BOTH_PATHS
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                   HealthCheck.too_slow])
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(data=st.data())
 def test_garbage_is_dropped_counted_logged_once_and_valid_requests_stay_exact(data, paths, drop_logs):
     valid, stream, garbage = data.draw(scenario())
@@ -352,19 +406,31 @@ def test_garbage_is_dropped_counted_logged_once_and_valid_requests_stay_exact(da
 
 
 ANY_ID = st.one_of(st.sampled_from(["a", "b", "c", ""]), st.text(max_size=3), st.integers(), st.none())
-ANY_NUMBER = st.one_of(st.integers(-10**20, 10**20), st.floats(allow_nan=True, allow_infinity=True), st.none(),
-                       st.text(max_size=2), st.booleans())
+ANY_NUMBER = st.one_of(
+    st.integers(-(10**20), 10**20),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.none(),
+    st.text(max_size=2),
+    st.booleans(),
+)
 
 
 @st.composite
 def random_event(draw: Any) -> Any:
     if draw(st.integers(0, 20)) == 0:
         return draw(NON_EVENTS)
-    return RequestEvent(draw(st.sampled_from(list(E))), draw(ANY_ID), draw(ANY_NUMBER),
-                        prompt_tokens=draw(ANY_NUMBER), max_tokens=draw(ANY_NUMBER), num_tokens=draw(ANY_NUMBER),
-                        num_computed_tokens=draw(ANY_NUMBER), reason=draw(st.one_of(st.text(max_size=4), st.none())),
-                        finish_reason=draw(st.one_of(st.sampled_from(FINISH_REASONS), st.none(), st.integers())),
-                        num_cached_tokens=draw(ANY_NUMBER))
+    return RequestEvent(
+        draw(st.sampled_from(list(E))),
+        draw(ANY_ID),
+        draw(ANY_NUMBER),
+        prompt_tokens=draw(ANY_NUMBER),
+        max_tokens=draw(ANY_NUMBER),
+        num_tokens=draw(ANY_NUMBER),
+        num_computed_tokens=draw(ANY_NUMBER),
+        reason=draw(st.one_of(st.text(max_size=4), st.none())),
+        finish_reason=draw(st.one_of(st.sampled_from(FINISH_REASONS), st.none(), st.integers())),
+        num_cached_tokens=draw(ANY_NUMBER),
+    )
 
 
 @BOTH_PATHS
@@ -383,7 +449,7 @@ def test_random_streams_never_raise_never_tear_and_never_hit_internal_errors(eve
         comparable(got)  # asserts count == sum(bucket_counts) in every point
         for points in got.values():
             for p in points:
-                for v in ((p.sum, p.min, p.max) if isinstance(p, HistogramDataPoint) else (p.value,)):
+                for v in (p.sum, p.min, p.max) if isinstance(p, HistogramDataPoint) else (p.value,):
                     assert math.isfinite(v), f"non-finite value leaked into a metric: {p}"
         assert len(rig.telemetry.tracker.inflight) <= 3
     finally:
@@ -440,13 +506,25 @@ def test_a_million_distinct_unknown_ids_and_evictions_stay_bounded():
             n_unknown = 1_000_000
             batch = 10_000
             for b in range(n_unknown // batch):
-                rig.publish([[RequestEvent(kinds[i % 6], f"ghost-{b}-{i}", float(i), num_tokens=1,
-                                           finish_reason="stop") for i in range(batch)]])
+                rig.publish(
+                    [
+                        [
+                            RequestEvent(kinds[i % 6], f"ghost-{b}-{i}", float(i), num_tokens=1, finish_reason="stop")
+                            for i in range(batch)
+                        ]
+                    ]
+                )
             after_unknown = tracemalloc.get_traced_memory()[0] - base
             n_arrivals = 200_000
             for b in range(n_arrivals // batch):
-                rig.publish([[RequestEvent(E.ARRIVED, f"arr-{b}-{i}", 1.0 + i, prompt_tokens=1, max_tokens=1)
-                              for i in range(batch)]])
+                rig.publish(
+                    [
+                        [
+                            RequestEvent(E.ARRIVED, f"arr-{b}-{i}", 1.0 + i, prompt_tokens=1, max_tokens=1)
+                            for i in range(batch)
+                        ]
+                    ]
+                )
             gc.collect()
             growth = tracemalloc.get_traced_memory()[0] - base
             elapsed = time.perf_counter() - start

@@ -59,15 +59,23 @@ class LastExport(MetricExporter):
 def values(data: Any, name: str) -> dict[tuple, Any]:
     if data is None:
         return {}
-    out = {tuple(sorted(p.attributes.items())): (p.value if hasattr(p, "value") else p.count)
-           for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics if m.name == name
-           for p in m.data.data_points}
+    out = {
+        tuple(sorted(p.attributes.items())): (p.value if hasattr(p, "value") else p.count)
+        for rm in data.resource_metrics
+        for sm in rm.scope_metrics
+        for m in sm.metrics
+        if m.name == name
+        for p in m.data.data_points
+    }
     return {k: v for k, v in out.items() if v}  # counters declared at 0 are not events
 
 
 def lifecycle(rid: str, t: float = 1.0, finish: bool = True) -> list[RequestEvent]:
-    events = [RequestEvent(E.ARRIVED, rid, t, prompt_tokens=4, max_tokens=8), RequestEvent(E.SCHEDULED, rid, t),
-              RequestEvent(E.TOKENS, rid, t + 0.5, num_tokens=1)]
+    events = [
+        RequestEvent(E.ARRIVED, rid, t, prompt_tokens=4, max_tokens=8),
+        RequestEvent(E.SCHEDULED, rid, t),
+        RequestEvent(E.TOKENS, rid, t + 0.5, num_tokens=1),
+    ]
     if finish:
         events.append(RequestEvent(E.FINISHED, rid, t + 1, finish_reason="stop"))
     return events
@@ -79,7 +87,9 @@ def test_shutdown_flushes_ends_open_spans_and_is_idempotent(caplog):
     handle = setup_telemetry(
         TelemetryConfig(model_name="m", **NO_EXPORTERS),
         extra_metric_readers=[PeriodicExportingMetricReader(metrics, export_interval_millis=600_000)],
-        extra_span_processors=[BatchSpanProcessor(spans, schedule_delay_millis=600_000)], environ={})
+        extra_span_processors=[BatchSpanProcessor(spans, schedule_delay_millis=600_000)],
+        environ={},
+    )
     bus = HookBus()
     bus.subscribe(handle.telemetry)
     bus.publish(lifecycle("done") + lifecycle("open-1", finish=False) + lifecycle("open-2", finish=False))
@@ -93,7 +103,8 @@ def test_shutdown_flushes_ends_open_spans_and_is_idempotent(caplog):
         assert finished[rid].status.status_code is StatusCode.ERROR
         assert finished[rid].attributes["llm.request.incomplete"] == "shutdown"
     assert values(metrics.data, "vllm:request_success") == {
-        (("engine", "0"), ("finished_reason", "stop"), ("model_name", "m")): 1}, "final metrics flushed"
+        (("engine", "0"), ("finished_reason", "stop"), ("model_name", "m")): 1
+    }, "final metrics flushed"
 
     exports = metrics.exports
     caplog.clear()
@@ -112,16 +123,20 @@ def test_shutdown_flushes_ends_open_spans_and_is_idempotent(caplog):
 def test_in_flight_cap_evicts_the_oldest_request_counted_and_marked():
     spans = InMemorySpanExporter()
     reader = InMemoryMetricReader()
-    handle = setup_telemetry(TelemetryConfig(model_name="m", max_inflight_requests=3, **NO_EXPORTERS),
-                             extra_metric_readers=[reader],
-                             extra_span_processors=[BatchSpanProcessor(spans, schedule_delay_millis=600_000)],
-                             environ={})
+    handle = setup_telemetry(
+        TelemetryConfig(model_name="m", max_inflight_requests=3, **NO_EXPORTERS),
+        extra_metric_readers=[reader],
+        extra_span_processors=[BatchSpanProcessor(spans, schedule_delay_millis=600_000)],
+        environ={},
+    )
     telemetry = handle.telemetry
     telemetry.on_events([RequestEvent(E.ARRIVED, f"r{i}", float(i), prompt_tokens=1) for i in range(5)])
     telemetry.flush()  # apply the kept batch now, to look at the tracker
     assert list(telemetry.tracker.inflight) == ["r2", "r3", "r4"]
-    telemetry.on_events([RequestEvent(E.FINISHED, "r0", 9.0, finish_reason="stop")]  # its request is gone
-                        + [RequestEvent(E.FINISHED, f"r{i}", 9.0, finish_reason="stop") for i in (2, 3, 4)])
+    telemetry.on_events(
+        [RequestEvent(E.FINISHED, "r0", 9.0, finish_reason="stop")]  # its request is gone
+        + [RequestEvent(E.FINISHED, f"r{i}", 9.0, finish_reason="stop") for i in (2, 3, 4)]
+    )
     dropped = {dict(k)["reason"]: v for k, v in values(reader.get_metrics_data(), "otel_llm.dropped_events").items()}
     assert dropped == {"evicted": 2, "duplicate_finish": 1}
     assert sum(values(reader.get_metrics_data(), "vllm:request_success").values()) == 3
@@ -168,8 +183,7 @@ def _in_child(body) -> int:
 @pytest.mark.parametrize("lock_held_at_fork", [False, True], ids=["idle", "lock_held_by_another_thread"])
 def test_forked_child_keeps_working_telemetry(lock_held_at_fork):
     reader = InMemoryMetricReader()
-    handle = setup_telemetry(TelemetryConfig(model_name="m", **NO_EXPORTERS), extra_metric_readers=[reader],
-                             environ={})
+    handle = setup_telemetry(TelemetryConfig(model_name="m", **NO_EXPORTERS), extra_metric_readers=[reader], environ={})
     telemetry = handle.telemetry
     telemetry.on_events(lifecycle("parent-1"))
     release = threading.Event()
@@ -192,8 +206,12 @@ def test_forked_child_keeps_working_telemetry(lock_held_at_fork):
         got = sum(values(reader.get_metrics_data(), "vllm:request_success").values())
         if got != 11:  # the parent's one, inherited, plus the child's ten
             return 3
-        own = setup_telemetry(TelemetryConfig(model_name="child", metrics_exporters=("prometheus",),
-                                              traces_exporters=("none",), prometheus_port=0), environ={})
+        own = setup_telemetry(
+            TelemetryConfig(
+                model_name="child", metrics_exporters=("prometheus",), traces_exporters=("none",), prometheus_port=0
+            ),
+            environ={},
+        )
         own.telemetry.on_events(lifecycle("own-1"))
         with urllib.request.urlopen(f"http://127.0.0.1:{own.prometheus_port}/metrics", timeout=5) as resp:
             body = resp.read().decode()

@@ -35,6 +35,9 @@ from typing import Any, Callable
 import pytest
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
+from engine_stub import Engine, EngineConfig
+from otel_llm import TelemetryConfig, setup_telemetry, tracker
+from otel_llm.testing.cost import TimedHooks, started_threads, threads_cpu_s
 from tests.support.backends import (
     LOOPBACK,
     BackendUnavailable,
@@ -45,10 +48,6 @@ from tests.support.backends import (
     start_otlp_sink,
     wait_until,
 )
-from otel_llm.testing.cost import TimedHooks, started_threads, threads_cpu_s
-from engine_stub import Engine, EngineConfig
-from otel_llm import TelemetryConfig, setup_telemetry
-from otel_llm import tracker
 from tests.support.sdk_versions import at_least
 
 pytestmark = pytest.mark.backend
@@ -96,17 +95,32 @@ class RotelOnPort:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("ROTEL_", "OTEL_"))}
         out = open(self.workdir / "rotel.out", "ab")
         self.proc = subprocess.Popen(
-            [self.binary, "start", f"--otlp-grpc-endpoint={LOOPBACK}:{self.grpc_port}",
-             f"--otlp-http-endpoint={LOOPBACK}:{self.http_port}", f"--pid-file={self.workdir / 'rotel.pid'}",
-             f"--log-file={self.workdir / 'rotel.log'}", "--batch-timeout=50ms", "--exporter=otlp",
-             f"--otlp-exporter-endpoint={self.forward_to}", "--otlp-exporter-protocol=grpc"],
-            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=self.workdir, env=env)
+            [
+                self.binary,
+                "start",
+                f"--otlp-grpc-endpoint={LOOPBACK}:{self.grpc_port}",
+                f"--otlp-http-endpoint={LOOPBACK}:{self.http_port}",
+                f"--pid-file={self.workdir / 'rotel.pid'}",
+                f"--log-file={self.workdir / 'rotel.log'}",
+                "--batch-timeout=50ms",
+                "--exporter=otlp",
+                f"--otlp-exporter-endpoint={self.forward_to}",
+                "--otlp-exporter-protocol=grpc",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=self.workdir,
+            env=env,
+        )
         out.close()
 
         def ready() -> bool:
             if self.proc.poll() is not None:
-                raise BackendUnavailable(f"rotel exited {self.proc.returncode}: "
-                                         f"{(self.workdir / 'rotel.out').read_text(errors='replace')[-1500:]}")
+                raise BackendUnavailable(
+                    f"rotel exited {self.proc.returncode}: "
+                    f"{(self.workdir / 'rotel.out').read_text(errors='replace')[-1500:]}"
+                )
             return port_open(self.grpc_port)
 
         try:
@@ -151,11 +165,13 @@ class Phase:
         return (self.hooks_cpu_s + self.threads_cpu_s) / self.cpu_s
 
     def describe(self) -> str:
-        return (f"{self.steps} steps, median {statistics.median(self.wall) * 1e3:.2f} ms (max "
-                f"{max(self.wall) * 1e3:.1f} ms); engine thread {self.cpu_s / self.steps * 1e3:.2f} ms CPU per step; "
-                f"hooks {self.hooks_cpu_s / self.steps * 1e6:.0f} us CPU per step (max {max(self.hooks) * 1e3:.1f} "
-                f"ms wall); telemetry threads {self.threads_cpu_s / self.steps * 1e6:.0f} us CPU per step; "
-                f"telemetry share {self.telemetry_share:.4f}")
+        return (
+            f"{self.steps} steps, median {statistics.median(self.wall) * 1e3:.2f} ms (max "
+            f"{max(self.wall) * 1e3:.1f} ms); engine thread {self.cpu_s / self.steps * 1e3:.2f} ms CPU per step; "
+            f"hooks {self.hooks_cpu_s / self.steps * 1e6:.0f} us CPU per step (max {max(self.hooks) * 1e3:.1f} "
+            f"ms wall); telemetry threads {self.threads_cpu_s / self.steps * 1e6:.0f} us CPU per step; "
+            f"telemetry share {self.telemetry_share:.4f}"
+        )
 
 
 class Load:
@@ -165,8 +181,9 @@ class Load:
     ``threads``: the telemetry's own threads, whose CPU clocks are read around each phase; None:
     every thread of this process but the engine's (right when the process runs nothing else)."""
 
-    def __init__(self, engine: Engine, telemetry: Any, threads: list[threading.Thread] | None = None,
-                 backlog: int = 24) -> None:
+    def __init__(
+        self, engine: Engine, telemetry: Any, threads: list[threading.Thread] | None = None, backlog: int = 24
+    ) -> None:
         self.engine = engine
         self.timed = TimedHooks(telemetry)
         engine.hooks.subscribe(self.timed)
@@ -196,8 +213,13 @@ class Load:
         phase.hooks.append((timed.ns - hooks) / 1e9)
         phase.hooks_cpu_s += (timed.cpu_ns - hooks_cpu) / 1e9
 
-    def run(self, name: str, steps: int, until: Callable[[], bool] | None = None,
-            each_step: Callable[[], None] | None = None) -> Phase:
+    def run(
+        self,
+        name: str,
+        steps: int,
+        until: Callable[[], bool] | None = None,
+        each_step: Callable[[], None] | None = None,
+    ) -> Phase:
         """``steps`` steps, then more until ``until()`` holds, in the phase ``name``."""
         phase = self.phases.setdefault(name, Phase())
         threads_cpu = self._threads_cpu_s()
@@ -221,8 +243,14 @@ class Load:
 
 def _dropped(reader: InMemoryMetricReader) -> dict[str, int]:
     data = reader.get_metrics_data()
-    return {p.attributes["reason"]: p.value for rm in data.resource_metrics for sm in rm.scope_metrics
-            for m in sm.metrics if m.name == "otel_llm.dropped_events" for p in m.data.data_points}
+    return {
+        p.attributes["reason"]: p.value
+        for rm in data.resource_metrics
+        for sm in rm.scope_metrics
+        for m in sm.metrics
+        if m.name == "otel_llm.dropped_events"
+        for p in m.data.data_points
+    }
 
 
 def test_collector_outage_does_not_slow_or_block_the_engine_and_losses_are_counted(clean_env):
@@ -249,9 +277,18 @@ def test_collector_outage_does_not_slow_or_block_the_engine_and_losses_are_count
         reader = InMemoryMetricReader()
         # The telemetry's own threads (span processor, metric reader), told apart from the sink's.
         handle, threads = started_threads(
-            lambda: setup_telemetry(TelemetryConfig(model_name="tiny"), extra_metric_readers=[reader]))
-        engine = Engine(EngineConfig(num_kv_blocks=128, block_size=16, max_num_seqs=16, max_num_batched_tokens=128,
-                                     seed=0, load_plugins=False))
+            lambda: setup_telemetry(TelemetryConfig(model_name="tiny"), extra_metric_readers=[reader])
+        )
+        engine = Engine(
+            EngineConfig(
+                num_kv_blocks=128,
+                block_size=16,
+                max_num_seqs=16,
+                max_num_batched_tokens=128,
+                seed=0,
+                load_plugins=False,
+            )
+        )
         load = Load(engine, handle.telemetry, threads)
         processor = handle.tracer_provider._active_span_processor._span_processors[0]
         # The span queue: in the processor's BatchProcessor (SDK 1.34+), its own before.
@@ -271,7 +308,10 @@ def test_collector_outage_does_not_slow_or_block_the_engine_and_losses_are_count
 
         def both_exports_failed() -> bool:
             dropped = handle.accounting.dropped
-            return dropped.get(tracker.SPANS_EXPORT_FAILED, 0) > 0 and dropped.get(tracker.METRIC_POINTS_EXPORT_FAILED, 0) > 0
+            return (
+                dropped.get(tracker.SPANS_EXPORT_FAILED, 0) > 0
+                and dropped.get(tracker.METRIC_POINTS_EXPORT_FAILED, 0) > 0
+            )
 
         outage = load.run("outage", OUTAGE_STEPS, until=both_exports_failed, each_step=watch_queue)
         rss_end = rss_bytes()
@@ -281,8 +321,11 @@ def test_collector_outage_does_not_slow_or_block_the_engine_and_losses_are_count
 
         def resumed() -> bool:
             recovery = set(load.run("recovery", 20).requests)
-            return any(a.key == "gen_ai.request.id" and a.value.string_value in recovery
-                       for s in sink.spans()[-2000:] for a in s.attributes)
+            return any(
+                a.key == "gen_ai.request.id" and a.value.string_value in recovery
+                for s in sink.spans()[-2000:]
+                for a in s.attributes
+            )
 
         # The span exporter probes again within its backoff (at most 10 s) of the restart.
         wait_until(resumed, 60.0, interval=0.0, what="spans of requests that arrived after the restart")
@@ -321,11 +364,13 @@ def test_collector_outage_does_not_slow_or_block_the_engine_and_losses_are_count
         healthy = [load.phases["healthy_before"], load.phases["healthy_after"]]
         healthy_share = statistics.fmean(p.telemetry_share for p in healthy)
         extra = outage.telemetry_share - healthy_share
-        report = (f"telemetry share during the outage {outage.telemetry_share:.4f} vs healthy {healthy_share:.4f}: "
-                  f"extra {extra:+.4f}\n  outage: {outage.describe()}\n"
-                  + "".join(f"  {name}: {load.phases[name].describe()}\n" for name in ("healthy_before", "healthy_after"))
-                  + f"  RSS growth during the outage {(rss_end - rss_start) / 2**20:.1f} MiB; span queue max {queue_max}; "
-                  f"resumed {resume_s:.1f} s after the restart; drops {drops}; delivered {handle.accounting.exported}")
+        report = (
+            f"telemetry share during the outage {outage.telemetry_share:.4f} vs healthy {healthy_share:.4f}: "
+            f"extra {extra:+.4f}\n  outage: {outage.describe()}\n"
+            + "".join(f"  {name}: {load.phases[name].describe()}\n" for name in ("healthy_before", "healthy_after"))
+            + f"  RSS growth during the outage {(rss_end - rss_start) / 2**20:.1f} MiB; span queue max {queue_max}; "
+            f"resumed {resume_s:.1f} s after the restart; drops {drops}; delivered {handle.accounting.exported}"
+        )
         print(report)  # shown with pytest -s
         assert extra <= OUTAGE_EXTRA_SHARE, report
         # No step waited on the export path: one that did would wait up to the 2 s export timeout.
@@ -341,7 +386,8 @@ def test_collector_outage_does_not_slow_or_block_the_engine_and_losses_are_count
         # drop hook, otel_llm._sdk.batch_processor); before, those go uncounted: at most.
         spans_ended = load.added
         accounted = handle.accounting.exported.get("spans", 0) + sum(
-            n for reason, n in handle.accounting.dropped.items() if reason.startswith("spans_"))
+            n for reason, n in handle.accounting.dropped.items() if reason.startswith("spans_")
+        )
         detail = (accounted, spans_ended, handle.accounting.dropped, handle.accounting.exported)
         if at_least("1.41"):
             assert accounted == spans_ended, detail
@@ -356,17 +402,26 @@ def test_collector_outage_does_not_slow_or_block_the_engine_and_losses_are_count
 
 
 def _prometheus_only(**settings: Any) -> Any:
-    return setup_telemetry(TelemetryConfig(model_name="tiny", metrics_exporters=("prometheus",),
-                                           traces_exporters=("none",), prometheus_port=0, **settings))
+    return setup_telemetry(
+        TelemetryConfig(
+            model_name="tiny",
+            metrics_exporters=("prometheus",),
+            traces_exporters=("none",),
+            prometheus_port=0,
+            **settings,
+        )
+    )
 
 
 def _engine() -> Engine:
-    return Engine(EngineConfig(num_kv_blocks=128, max_num_seqs=16, max_num_batched_tokens=128, seed=0,
-                               load_plugins=False))
+    return Engine(
+        EngineConfig(num_kv_blocks=128, max_num_seqs=16, max_num_batched_tokens=128, seed=0, load_plugins=False)
+    )
 
 
-TELEMETRY_CODE = [tracemalloc.Filter(True, f"*/{package}/*") for package in ("otel_llm", "opentelemetry",
-                                                                               "prometheus_client")]
+TELEMETRY_CODE = [
+    tracemalloc.Filter(True, f"*/{package}/*") for package in ("otel_llm", "opentelemetry", "prometheus_client")
+]
 NOT_THIS_FILE = [tracemalloc.Filter(False, __file__)]  # the load's own bookkeeping (step timings, ids)
 
 
@@ -402,8 +457,10 @@ def test_prometheus_endpoint_never_scraped_keeps_memory_flat(clean_env):
             tracemalloc.stop()
         telemetry = _traced_bytes(last, TELEMETRY_CODE) - _traced_bytes(first, TELEMETRY_CODE)
         everything = _traced_bytes(last, NOT_THIS_FILE) - _traced_bytes(first, NOT_THIS_FILE)
-        report = (f"over {b.steps} unscraped steps and {finished} finished requests, Python memory grew "
-                  f"{telemetry} bytes allocated by the telemetry's code, {everything} bytes in all")
+        report = (
+            f"over {b.steps} unscraped steps and {finished} finished requests, Python memory grew "
+            f"{telemetry} bytes allocated by the telemetry's code, {everything} bytes in all"
+        )
         print(report)
         assert finished >= 300, report  # 16 requests of 48 tokens at a time: one finishes every 3 steps
         # Flat (measured: ~3 KB, and 13-30 KB in all, the engine's torch included). Leaking one
@@ -442,8 +499,10 @@ def test_a_slow_or_stuck_scraper_does_not_block_engine_steps(clean_env):
             c = socket.create_connection((LOOPBACK, port), timeout=5)
             c.sendall(b"GET /metr")
             stuck.append(c)
-        readers = [subprocess.Popen([sys.executable, "-c", slow_reader], stdout=subprocess.PIPE,
-                                    stderr=subprocess.DEVNULL) for _ in range(2)]
+        readers = [
+            subprocess.Popen([sys.executable, "-c", slow_reader], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+            for _ in range(2)
+        ]
         try:
             for r in readers:
                 assert r.stdout is not None and r.stdout.read(10) == b"." * 10  # reading, slowly
@@ -455,8 +514,10 @@ def test_a_slow_or_stuck_scraper_does_not_block_engine_steps(clean_env):
                 r.wait(5)
             for c in stuck:
                 c.close()
-        report = (f"with slow scrapers: {during.describe()}\n  before: {baseline.describe()}\n"
-                  f"  endpoint threads' CPU {during.threads_cpu_s / during.cpu_s:.4f} s per engine CPU s")
+        report = (
+            f"with slow scrapers: {during.describe()}\n  before: {baseline.describe()}\n"
+            f"  endpoint threads' CPU {during.threads_cpu_s / during.cpu_s:.4f} s per engine CPU s"
+        )
         print(report)
         # A step blocked on a scrape (the telemetry's lock held while a slow reader reads) would
         # wait in the hooks for as long as the reader takes: seconds.

@@ -33,27 +33,32 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import otel_llm
-from tests.support.backends import backend, start_otlp_sink
 from otel_llm import EngineTelemetry, EventType, RequestEvent, TelemetryConfig, setup_telemetry
 from otel_llm.tracker import METRIC_POINTS_EXPORT_FAILED, SPANS_EXPORT_FAILED
+from tests.support.backends import backend, start_otlp_sink
 
 E = EventType
 SECRET = "s3cr3t-T0KEN-value"
 
 
 def one_request(telemetry: EngineTelemetry, rid: str = "r1", prompt: str = "", output: str = "") -> None:
-    telemetry.on_events([
-        RequestEvent(E.ARRIVED, rid, 1.0, prompt_tokens=3, max_tokens=4, prompt_text=prompt or None),
-        RequestEvent(E.SCHEDULED, rid, 1.0), RequestEvent(E.TOKENS, rid, 1.5, num_tokens=1),
-        RequestEvent(E.FINISHED, rid, 2.0, finish_reason="stop", output_text=output or None)])
+    telemetry.on_events(
+        [
+            RequestEvent(E.ARRIVED, rid, 1.0, prompt_tokens=3, max_tokens=4, prompt_text=prompt or None),
+            RequestEvent(E.SCHEDULED, rid, 1.0),
+            RequestEvent(E.TOKENS, rid, 1.5, num_tokens=1),
+            RequestEvent(E.FINISHED, rid, 2.0, finish_reason="stop", output_text=output or None),
+        ]
+    )
 
 
 # ----------------------------------------------------------------------------- listeners
 
 
 def test_prometheus_endpoint_binds_loopback_by_default(clean_env):
-    handle = setup_telemetry(TelemetryConfig(metrics_exporters=("prometheus",), traces_exporters=("none",),
-                                             prometheus_port=0))
+    handle = setup_telemetry(
+        TelemetryConfig(metrics_exporters=("prometheus",), traces_exporters=("none",), prometheus_port=0)
+    )
     try:
         host, port = handle.prometheus._server.socket.getsockname()[:2]
         assert host == "127.0.0.1", host
@@ -86,7 +91,7 @@ class Receiver:
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802
+            def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 if (self.headers.get("Content-Encoding") or "").lower() == "gzip":
                     body = gzip.decompress(body)
@@ -158,9 +163,29 @@ def self_signed(tmp_path_factory) -> tuple[Path, Path]:
         pytest.skip("openssl CLI not available")
     d = tmp_path_factory.mktemp("tls")
     cert, key = d / "cert.pem", d / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
-                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
-                   check=True, capture_output=True, timeout=60)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     return cert, key
 
 
@@ -249,8 +274,14 @@ def test_no_prompt_or_output_text_unless_asked_then_truncated(caplog):
     texts = [str(v) for v in span.attributes.values()] + [str(v) for e in span.events for v in e.attributes.values()]
     assert not any("PROMPT-" in t or "OUTPUT-" in t for t in texts)
     data = reader.get_metrics_data()
-    assert not any("PROMPT-" in str(v) or "OUTPUT-" in str(v) for rm in data.resource_metrics for sm in rm.scope_metrics
-                   for m in sm.metrics for p in m.data.data_points for v in p.attributes.values())
+    assert not any(
+        "PROMPT-" in str(v) or "OUTPUT-" in str(v)
+        for rm in data.resource_metrics
+        for sm in rm.scope_metrics
+        for m in sm.metrics
+        for p in m.data.data_points
+        for v in p.attributes.values()
+    )
     assert "PROMPT-" not in caplog.text and "OUTPUT-" not in caplog.text
 
     telemetry, spans, _ = _span_rig(TelemetryConfig(model_name="m", record_content=True, content_max_length=12))
@@ -294,7 +325,8 @@ def test_secrets_never_appear_in_logs_during_setup_and_failing_exports(clean_env
     handle.shutdown()
     assert sum(handle.accounting.dropped.values()) > 0, "the exports were expected to fail"
     assert any("otel_llm telemetry" in r.getMessage() for r in caplog.records), "setup logs its settings"
-    leaked = [r.getMessage() for r in caplog.records if SECRET in r.getMessage() or
-              (r.exc_text and SECRET in r.exc_text)]
+    leaked = [
+        r.getMessage() for r in caplog.records if SECRET in r.getMessage() or (r.exc_text and SECRET in r.exc_text)
+    ]
     assert not leaked, leaked[:3]
     assert SECRET not in caplog.text

@@ -75,7 +75,9 @@ def wait_until(predicate: Callable[[], Any], timeout: float, interval: float = 0
         except Exception as exc:  # noqa: BLE001 - keep polling until the deadline
             last_exc = exc
         if time.monotonic() >= deadline:
-            raise TimeoutError(f"timed out after {timeout}s waiting for {what}" + (f" (last error: {last_exc!r})" if last_exc else ""))
+            raise TimeoutError(
+                f"timed out after {timeout}s waiting for {what}" + (f" (last error: {last_exc!r})" if last_exc else "")
+            )
         time.sleep(interval)
 
 
@@ -107,8 +109,9 @@ def _tail(path: Path, n: int = 2000) -> str:
 # --------------------------------------------------------------------------------- Prometheus
 
 
-def _start_on_free_ports(launch: Callable[[], tuple[Any, Callable[[], bool], Callable[[], str]]],
-                         ready_timeout: float, what: str) -> Any:
+def _start_on_free_ports(
+    launch: Callable[[], tuple[Any, Callable[[], bool], Callable[[], str]]], ready_timeout: float, what: str
+) -> Any:
     """Start a server on ports picked by free_port() and wait until it is ready.
 
     ``launch()`` starts it and returns (handle with ``.proc``, ready check, log tail). free_port()
@@ -119,7 +122,7 @@ def _start_on_free_ports(launch: Callable[[], tuple[Any, Callable[[], bool], Cal
         handle, ready, log = launch()
         proc = handle.proc
 
-        def check() -> bool:
+        def check(proc: Any = proc, log: Callable[[], str] = log, ready: Callable[[], bool] = ready) -> bool:
             if proc.poll() is not None:
                 raise BackendUnavailable(f"{what}: exited with {proc.returncode}: {log()}")
             return ready()
@@ -138,7 +141,9 @@ def _start_on_free_ports(launch: Callable[[], tuple[Any, Callable[[], bool], Cal
 
 
 def prometheus_binary() -> str | None:
-    return shutil.which("prometheus") or (str(Path("/usr/bin/prometheus")) if Path("/usr/bin/prometheus").exists() else None)
+    return shutil.which("prometheus") or (
+        str(Path("/usr/bin/prometheus")) if Path("/usr/bin/prometheus").exists() else None
+    )
 
 
 class Prometheus:
@@ -228,7 +233,11 @@ def start_prometheus(
         else:
             targets.append(t)
     config = {
-        "global": {"scrape_interval": scrape_interval, "scrape_timeout": scrape_interval, "evaluation_interval": scrape_interval},
+        "global": {
+            "scrape_interval": scrape_interval,
+            "scrape_timeout": scrape_interval,
+            "evaluation_interval": scrape_interval,
+        },
         "scrape_configs": [
             {"job_name": "otel_llm", "metrics_path": metrics_path, "static_configs": [{"targets": targets}]},
         ],
@@ -369,7 +378,11 @@ def start_rotel(
             "--batch-timeout=50ms",
         ]
         if forward_to:
-            args += ["--exporter=otlp", f"--otlp-exporter-endpoint={forward_to}", f"--otlp-exporter-protocol={forward_protocol}"]
+            args += [
+                "--exporter=otlp",
+                f"--otlp-exporter-endpoint={forward_to}",
+                f"--otlp-exporter-protocol={forward_protocol}",
+            ]
         else:
             args += ["--exporter=blackhole"]
         for signal in debug_log:
@@ -377,7 +390,9 @@ def start_rotel(
         if debug_log:
             args.append(f"--debug-log-verbosity={verbosity}")
         args += list(extra_args)
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=workdir, env=env)
+        proc = subprocess.Popen(
+            args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=workdir, env=env
+        )
         handle = Rotel(proc, grpc_port, http_port, workdir)
         return handle, lambda: port_open(grpc_port) and port_open(http_port), lambda: handle.output()[-2000:]
 
@@ -446,7 +461,13 @@ class OtlpSink:
 
     def metric_names(self) -> set[str]:
         with self.lock:
-            return {m.name for req in self.metrics for rm in req.resource_metrics for sm in rm.scope_metrics for m in sm.metrics}
+            return {
+                m.name
+                for req in self.metrics
+                for rm in req.resource_metrics
+                for sm in rm.scope_metrics
+                for m in sm.metrics
+            }
 
 
 @contextlib.contextmanager
@@ -461,14 +482,14 @@ def start_otlp_sink(protocol: str = "grpc", tls: Optional[tuple[Path, Path]] = N
     """
     try:
         import grpc
-        from oteltest.sink import HttpSink, _parse_request
-        from oteltest.sink.private import _LogsServiceServicer, _MetricsServiceServicer, _TraceServiceServicer
         from opentelemetry.proto.collector.logs.v1 import logs_service_pb2_grpc
+        from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
         from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2_grpc
         from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
         from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
         from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-        from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
+        from oteltest.sink import HttpSink, _parse_request
+        from oteltest.sink.private import _LogsServiceServicer, _MetricsServiceServicer, _TraceServiceServicer
     except ImportError as exc:
         raise BackendUnavailable(f"oteltest/grpc not importable: {exc}") from exc
 
@@ -481,7 +502,9 @@ def start_otlp_sink(protocol: str = "grpc", tls: Optional[tuple[Path, Path]] = N
 
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(_TraceServiceServicer(sink.handle_trace), server)
-        metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(_MetricsServiceServicer(sink.handle_metrics), server)
+        metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(
+            _MetricsServiceServicer(sink.handle_metrics), server
+        )
         logs_service_pb2_grpc.add_LogsServiceServicer_to_server(_LogsServiceServicer(sink.handle_logs), server)
         if tls is None:
             sink.port = server.add_insecure_port(f"{LOOPBACK}:0")
@@ -506,7 +529,7 @@ def start_otlp_sink(protocol: str = "grpc", tls: Optional[tuple[Path, Path]] = N
     }
 
     class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802
+        def do_POST(self) -> None:
             body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
             if (self.headers.get("Content-Encoding") or "").lower() == "gzip":
                 body = gzip.decompress(body)

@@ -34,12 +34,18 @@ def workload(seed: int = 7) -> tuple[list[list[RequestEvent]], list[StepStats]]:
     rnd = random.Random(seed)
     batches = []
     for i in range(60):
-        evs = lifecycle(f"r{i}", 10.0 + i * 0.37, preemptions=rnd.choice((0, 0, 0, 1, 2, 5, 12)),
-                        tokens=rnd.randint(1, 40), prompt_tokens=rnd.randint(1, 3000),
-                        max_tokens=rnd.choice((0, 64, 2048)),
-                        finish_reason=rnd.choice(("stop", "length", "abort", "error")))
+        evs = lifecycle(
+            f"r{i}",
+            10.0 + i * 0.37,
+            preemptions=rnd.choice((0, 0, 0, 1, 2, 5, 12)),
+            tokens=rnd.randint(1, 40),
+            prompt_tokens=rnd.randint(1, 3000),
+            max_tokens=rnd.choice((0, 64, 2048)),
+            finish_reason=rnd.choice(("stop", "length", "abort", "error")),
+        )
         batches.append(evs)
     batches.append([RequestEvent(E.TOKENS, "ghost", 1.0, num_tokens=1)])
-    steps = [StepStats(float(i), rnd.randint(0, 9), rnd.randint(0, 9), rnd.random(), rnd.randint(0, 5000))
-             for i in range(40)]
+    steps = [
+        StepStats(float(i), rnd.randint(0, 9), rnd.randint(0, 9), rnd.random(), rnd.randint(0, 5000)) for i in range(40)
+    ]
     return batches, steps

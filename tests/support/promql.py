@@ -14,6 +14,7 @@ equivalent ``group by (label) (selector)``.
 
 Needs PyYAML (dev extra).
 """
+
 from __future__ import annotations
 
 import json
@@ -31,43 +32,48 @@ RULES = COLLECTOR / "rules" / "otel-llm.rules.yml"
 
 # Series names (as Prometheus stores them) that the shipped dashboard and rules may read: the
 # naming profile "vllm". Histograms are listed by base name (_bucket/_sum/_count are implied).
-HISTOGRAMS = frozenset({
-    "vllm:request_num_preemptions",
-    "vllm:e2e_request_latency_seconds",
-    "vllm:time_to_first_token_seconds",
-    "vllm:inter_token_latency_seconds",
-    "vllm:request_time_per_output_token_seconds",
-    "vllm:request_queue_time_seconds",
-    "vllm:request_prefill_time_seconds",
-    "vllm:request_decode_time_seconds",
-    "vllm:request_inference_time_seconds",
-    "vllm:request_preempted_time_seconds",
-    "vllm:request_prompt_tokens",
-    "vllm:request_generation_tokens",
-    "vllm:request_params_max_tokens",
-    "vllm:iteration_tokens_total",
-})
-COUNTERS = frozenset({
-    "vllm:num_preemptions_total",
-    "vllm:num_preemptions_by_reason_total",
-    "vllm:num_recomputed_tokens_total",
-    "vllm:prompt_tokens_total",
-    "vllm:generation_tokens_total",
-    "vllm:request_success_total",
-    "otel_llm_dropped_events_total",
-})
-GAUGES = frozenset({
-    "vllm:num_requests_running",
-    "vllm:num_requests_waiting",
-    "vllm:kv_cache_usage_perc",
-})
-SERIES = frozenset(
-    COUNTERS | GAUGES
-    | {h + suffix for h in HISTOGRAMS for suffix in ("_bucket", "_sum", "_count")}
+HISTOGRAMS = frozenset(
+    {
+        "vllm:request_num_preemptions",
+        "vllm:e2e_request_latency_seconds",
+        "vllm:time_to_first_token_seconds",
+        "vllm:inter_token_latency_seconds",
+        "vllm:request_time_per_output_token_seconds",
+        "vllm:request_queue_time_seconds",
+        "vllm:request_prefill_time_seconds",
+        "vllm:request_decode_time_seconds",
+        "vllm:request_inference_time_seconds",
+        "vllm:request_preempted_time_seconds",
+        "vllm:request_prompt_tokens",
+        "vllm:request_generation_tokens",
+        "vllm:request_params_max_tokens",
+        "vllm:iteration_tokens_total",
+    }
 )
+COUNTERS = frozenset(
+    {
+        "vllm:num_preemptions_total",
+        "vllm:num_preemptions_by_reason_total",
+        "vllm:num_recomputed_tokens_total",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:request_success_total",
+        "otel_llm_dropped_events_total",
+    }
+)
+GAUGES = frozenset(
+    {
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+    }
+)
+SERIES = frozenset(COUNTERS | GAUGES | {h + suffix for h in HISTOGRAMS for suffix in ("_bucket", "_sum", "_count")})
 
 _REGEX_SPECIALS = set(".+*?^$()[]{}|\\")
-_LABEL_VALUES = re.compile(r"^\s*label_values\(\s*(?P<selector>.+?)\s*,\s*(?P<label>[A-Za-z_][A-Za-z0-9_]*)\s*\)\s*$", re.S)
+_LABEL_VALUES = re.compile(
+    r"^\s*label_values\(\s*(?P<selector>.+?)\s*,\s*(?P<label>[A-Za-z_][A-Za-z0-9_]*)\s*\)\s*$", re.S
+)
 
 
 def _regex_literal(value: str) -> str:
@@ -82,8 +88,9 @@ def _regex_literal(value: str) -> str:
     return "".join(out)
 
 
-def substitute(expr: str, model_name: str, engine: str, *, rate_interval: str = "1m",
-               interval: str = "15s", range_: str = "1h") -> str:
+def substitute(
+    expr: str, model_name: str, engine: str, *, rate_interval: str = "1m", interval: str = "15s", range_: str = "1h"
+) -> str:
     """Replace the dashboard's Grafana variables in ``expr``."""
     values = {
         "model_name": _regex_literal(model_name),
@@ -112,8 +119,9 @@ def dashboard_expressions() -> list[tuple[str, str]]:
         for panel in panels:
             for target in panel.get("targets", []):
                 if target.get("expr"):
-                    out.append((f"dashboard panel {panel['id']} {panel['title']!r} target {target['refId']}",
-                                target["expr"]))
+                    out.append(
+                        (f"dashboard panel {panel['id']} {panel['title']!r} target {target['refId']}", target["expr"])
+                    )
             walk(panel.get("panels", []))  # panels inside collapsed rows
 
     walk(dash.get("panels", []))
@@ -124,8 +132,7 @@ def dashboard_expressions() -> list[tuple[str, str]]:
         m = _LABEL_VALUES.match(query)
         if not m:
             raise ValueError(f"variable {var['name']}: unsupported query {query!r}")
-        out.append((f"dashboard variable {var['name']}",
-                    f"group by ({m['label']}) ({m['selector']})"))
+        out.append((f"dashboard variable {var['name']}", f"group by ({m['label']}) ({m['selector']})"))
     return out
 
 
@@ -137,19 +144,20 @@ def rule_expressions() -> list[tuple[str, str]]:
         for rule in group["rules"]:
             name = rule.get("record") or rule.get("alert")
             kind = "record" if "record" in rule else "alert"
-            labels = ",".join(f"{k}={v}" for k, v in sorted((rule.get("labels") or {}).items())
-                              if kind == "record")
+            labels = ",".join(f"{k}={v}" for k, v in sorted((rule.get("labels") or {}).items()) if kind == "record")
             where = f"rules {group['name']} {kind} {name}" + (f"{{{labels}}}" if labels else "")
             out.append((where, rule["expr"].strip()))
     return out
 
 
-def all_expressions(model_name: str, engine: str, *, rate_interval: str = "1m",
-                    interval: str = "15s", range_: str = "1h") -> list[tuple[str, str]]:
+def all_expressions(
+    model_name: str, engine: str, *, rate_interval: str = "1m", interval: str = "15s", range_: str = "1h"
+) -> list[tuple[str, str]]:
     """(where, expr) for every PromQL expression of the dashboard and the rules, variables substituted."""
-    dash = [(where, substitute(expr, model_name, engine, rate_interval=rate_interval,
-                               interval=interval, range_=range_))
-            for where, expr in dashboard_expressions()]
+    dash = [
+        (where, substitute(expr, model_name, engine, rate_interval=rate_interval, interval=interval, range_=range_))
+        for where, expr in dashboard_expressions()
+    ]
     return dash + rule_expressions()
 
 

@@ -13,8 +13,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: tests.support
 
-import ray  # noqa: E402
-from tests.support.backends import start_otlp_sink, start_rotel, wait_until  # noqa: E402
+import ray
+
+from tests.support.backends import start_otlp_sink, start_rotel, wait_until
 
 
 class Replica:
@@ -22,18 +23,29 @@ class Replica:
 
     def __init__(self, otlp_endpoint: str, seed: int) -> None:
         from engine_stub import Engine, EngineConfig
-
         from otel_llm import TelemetryConfig
         from otel_llm.integrations.engine_stub import register
 
         self.actor_id = ray.get_runtime_context().get_actor_id()
         # The replica's identity on its resource: its Ray actor id.
-        config = TelemetryConfig(model_name="tiny", metrics_exporters=("otlp",), traces_exporters=("otlp",),
-                                 otlp_endpoint=otlp_endpoint, otlp_protocol="grpc",
-                                 resource_attributes={"service.instance.id": self.actor_id,
-                                                      "ray.actor.id": self.actor_id})
-        self.engine = Engine(EngineConfig(num_kv_blocks=24, block_size=16, max_num_seqs=16,
-                                          max_num_batched_tokens=128, seed=seed, load_plugins=False))
+        config = TelemetryConfig(
+            model_name="tiny",
+            metrics_exporters=("otlp",),
+            traces_exporters=("otlp",),
+            otlp_endpoint=otlp_endpoint,
+            otlp_protocol="grpc",
+            resource_attributes={"service.instance.id": self.actor_id, "ray.actor.id": self.actor_id},
+        )
+        self.engine = Engine(
+            EngineConfig(
+                num_kv_blocks=24,
+                block_size=16,
+                max_num_seqs=16,
+                max_num_batched_tokens=128,
+                seed=seed,
+                load_plugins=False,
+            )
+        )
         register(self.engine, config)
 
     def serve(self, requests: int) -> tuple[str, int, int]:
@@ -57,8 +69,13 @@ def main(replicas: int, requests: int) -> None:
 
             def instances() -> set[str]:
                 with sink.lock:
-                    return {a.value.string_value for e in sink.metrics for rm in e.resource_metrics
-                            for a in rm.resource.attributes if a.key == "service.instance.id"}
+                    return {
+                        a.value.string_value
+                        for e in sink.metrics
+                        for rm in e.resource_metrics
+                        for a in rm.resource.attributes
+                        if a.key == "service.instance.id"
+                    }
 
             wait_until(lambda: len(instances()) >= replicas, 60, interval=0.1, what="every replica's metrics")
             seen: dict[str, dict[str, int]] = {}
@@ -71,7 +88,8 @@ def main(replicas: int, requests: int) -> None:
                         if m.name in ("vllm:request_success", "vllm:num_preemptions"):
                             # Cumulative: the last export of each process wins.
                             seen.setdefault(attrs["service.instance.id"], {"ray.actor.id": attrs.get("ray.actor.id")})[
-                                m.name] = sum(p.as_int for p in m.sum.data_points)
+                                m.name
+                            ] = sum(p.as_int for p in m.sum.data_points)
             print(json.dumps({"served": served, "seen": seen, "spans": len(sink.spans())}))
     finally:
         ray.shutdown()

@@ -23,8 +23,9 @@ def at_least(release: str) -> bool:
 
 def needs_sdk(release: str, feature: str) -> pytest.MarkDecorator:
     """Skip unless opentelemetry-sdk is ``release`` or newer: older ones lack ``feature``."""
-    return pytest.mark.skipif(not at_least(release),
-                              reason=f"{feature} needs opentelemetry-sdk {release}+; installed {SDK_VERSION}")
+    return pytest.mark.skipif(
+        not at_least(release), reason=f"{feature} needs opentelemetry-sdk {release}+; installed {SDK_VERSION}"
+    )
 
 
 def prometheus_exporter_at_least(release: str) -> bool:
@@ -34,7 +35,7 @@ def prometheus_exporter_at_least(release: str) -> bool:
 
 def needs_prometheus_exporter(release: str, feature: str) -> pytest.MarkDecorator:
     """Skip unless opentelemetry-exporter-prometheus is ``release`` ("0.64b0") or newer."""
-    return pytest.mark.skipif(not prometheus_exporter_at_least(release),
-                              reason=f"{feature} needs opentelemetry-exporter-prometheus {release}+; "
-                                     f"installed {PROMETHEUS_EXPORTER_VERSION}")
-
+    return pytest.mark.skipif(
+        not prometheus_exporter_at_least(release),
+        reason=f"{feature} needs opentelemetry-exporter-prometheus {release}+; installed {PROMETHEUS_EXPORTER_VERSION}",
+    )

@@ -12,8 +12,9 @@ def preempting_engine_config() -> Any:
 
     # 12 blocks of 16 tokens for 30 requests of up to ~190 tokens: preemptions from 0 to ~18
     # per request, every bucket populated (about 1.5 s on one core).
-    return EngineConfig(num_kv_blocks=12, block_size=16, max_num_seqs=16, max_num_batched_tokens=64, seed=0,
-                        load_plugins=False)
+    return EngineConfig(
+        num_kv_blocks=12, block_size=16, max_num_seqs=16, max_num_batched_tokens=64, seed=0, load_plugins=False
+    )
 
 
 def add_requests(engine: Any, n: int = NUM_REQUESTS) -> None:

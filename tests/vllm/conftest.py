@@ -82,12 +82,17 @@ def otel(monkeypatch: pytest.MonkeyPatch, vllm_config):
             config = otel_llm.TelemetryConfig(
                 model_name=vllm_config.model_config.served_model_name,
                 max_model_len=vllm_config.model_config.max_model_len,
-                metrics_exporters=("none",), traces_exporters=("none",), **config_overrides)
+                metrics_exporters=("none",),
+                traces_exporters=("none",),
+                **config_overrides,
+            )
             # vLLM's series beyond the core metrics need their Views on the provider.
             self.handle = otel_llm.setup_telemetry(
-                config, extra_metric_readers=[self.reader],
+                config,
+                extra_metric_readers=[self.reader],
                 extra_span_processors=[SimpleSpanProcessor(self.spans)],
-                extra_views=VllmSeries(vllm_config, [0], config.naming).views())
+                extra_views=VllmSeries(vllm_config, [0], config.naming).views(),
+            )
             plugin.use_handle(self.handle)
 
     made: list[Otel] = []

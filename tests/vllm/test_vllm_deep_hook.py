@@ -16,8 +16,12 @@ def _manager(vllm_config, engine_idxs=(0,)):
 
     from otel_llm.integrations.vllm import OtelStatLogger
 
-    manager = StatLoggerManager(vllm_config, engine_idxs=list(engine_idxs),
-                                custom_stat_loggers=load_stat_logger_plugin_factories(), enable_default_loggers=False)
+    manager = StatLoggerManager(
+        vllm_config,
+        engine_idxs=list(engine_idxs),
+        custom_stat_loggers=load_stat_logger_plugin_factories(),
+        enable_default_loggers=False,
+    )
     (ours,) = [s for s in manager.stat_loggers if isinstance(s, OtelStatLogger)]
     return manager, ours
 
@@ -54,7 +58,8 @@ def test_deep_hook_puts_a_span_event_at_each_preemption(otel, vllm_config, monke
         assert abs(span.start_time / 1e9 - arrival_wall) < 1e-3
         if spec.num_preemptions:
             assert span.attributes["llm.request.preempted_time"] == pytest.approx(
-                script.preempted_time[spec.rid], abs=1e-9)
+                script.preempted_time[spec.rid], abs=1e-9
+            )
     assert total_events == 11
 
     # The preempted-time histogram is exact: one observation per preempted request.
@@ -64,7 +69,8 @@ def test_deep_hook_puts_a_span_event_at_each_preemption(otel, vllm_config, monke
     preempted = [spec.rid for spec in script.specs if spec.num_preemptions]
     assert got[("vllm:request_preempted_time_seconds_count", e0)] == len(preempted) == 4
     assert got[("vllm:request_preempted_time_seconds_sum", e0)] == pytest.approx(
-        sum(script.preempted_time[r] for r in preempted), abs=1e-9)
+        sum(script.preempted_time[r] for r in preempted), abs=1e-9
+    )
     assert ours.field_warnings == frozenset()
 
 

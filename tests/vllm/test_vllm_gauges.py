@@ -20,8 +20,12 @@ from samples import otel_family_names, otel_samples
 from otel_llm.integrations import vllm_gauges
 from otel_llm.integrations.vllm_gauges import SharedRecord
 
-GAUGES = {"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-          "vllm:num_requests_waiting_by_reason"}
+GAUGES = {
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:num_requests_waiting_by_reason",
+}
 WIDTH = 8
 WRITES = 20_000
 
@@ -135,19 +139,26 @@ def _api_server(otel: Any, vllm_config: Any, count: int, rank: int) -> tuple[Any
 def _stats(running: int, waiting: int, skipped: int, usage: float) -> Any:
     from vllm.v1.metrics.stats import SchedulerStats
 
-    return SchedulerStats(num_running_reqs=running, num_waiting_reqs=waiting, num_skipped_waiting_reqs=skipped,
-                          kv_cache_usage=usage)
+    return SchedulerStats(
+        num_running_reqs=running, num_waiting_reqs=waiting, num_skipped_waiting_reqs=skipped, kv_cache_usage=usage
+    )
 
 
 def _gauges(o: Any) -> dict[tuple[str, str], float]:
-    return {(name, dict(labels).get("reason", "")): value
-            for (name, labels), value in otel_samples(o.reader, GAUGES).items()}
+    return {
+        (name, dict(labels).get("reason", "")): value
+        for (name, labels), value in otel_samples(o.reader, GAUGES).items()
+    }
 
 
 def _expected(running: int, waiting: int, skipped: int, usage: float) -> dict[tuple[str, str], float]:
-    return {("vllm:num_requests_running", ""): running, ("vllm:num_requests_waiting", ""): waiting + skipped,
-            ("vllm:kv_cache_usage_perc", ""): usage, ("vllm:num_requests_waiting_by_reason", "capacity"): waiting,
-            ("vllm:num_requests_waiting_by_reason", "deferred"): skipped}
+    return {
+        ("vllm:num_requests_running", ""): running,
+        ("vllm:num_requests_waiting", ""): waiting + skipped,
+        ("vllm:kv_cache_usage_perc", ""): usage,
+        ("vllm:num_requests_waiting_by_reason", "capacity"): waiting,
+        ("vllm:num_requests_waiting_by_reason", "deferred"): skipped,
+    }
 
 
 def test_api_server_0_reports_the_freshest_values_the_others_none(otel, vllm_config, serve: Path) -> None:
@@ -183,10 +194,18 @@ def test_per_engine_with_data_parallel_engines(otel, vllm_config, serve: Path) -
     impls[0].record(_stats(1, 1, 0, 0.5), None, 0)
     impls[1].record(_stats(4, 0, 0, 0.75), None, 1)
     impls[1].record(_stats(2, 0, 0, 0.25), None, 0)
-    got = {(name, dict(labels)["engine"]): value for (name, labels), value
-           in otel_samples(otels[0].reader, {"vllm:num_requests_running", "vllm:kv_cache_usage_perc"}).items()}
-    assert got == {("vllm:num_requests_running", "0"): 2, ("vllm:kv_cache_usage_perc", "0"): 0.25,
-                   ("vllm:num_requests_running", "1"): 4, ("vllm:kv_cache_usage_perc", "1"): 0.75}
+    got = {
+        (name, dict(labels)["engine"]): value
+        for (name, labels), value in otel_samples(
+            otels[0].reader, {"vllm:num_requests_running", "vllm:kv_cache_usage_perc"}
+        ).items()
+    }
+    assert got == {
+        ("vllm:num_requests_running", "0"): 2,
+        ("vllm:kv_cache_usage_perc", "0"): 0.25,
+        ("vllm:num_requests_running", "1"): 4,
+        ("vllm:kv_cache_usage_perc", "1"): 0.75,
+    }
     assert not otel_family_names(otels[1].reader) & GAUGES
     for impl in impls:
         impl.gauges.close()
@@ -200,8 +219,9 @@ def test_one_api_server_shares_nothing(otel, vllm_config, serve: Path) -> None:
     assert _gauges(o) == _expected(3, 5, 1, 0.5)
 
 
-def test_without_a_shared_record_each_process_reports_its_own(otel, vllm_config, serve: Path,
-                                                               monkeypatch: pytest.MonkeyPatch, caplog) -> None:
+def test_without_a_shared_record_each_process_reports_its_own(
+    otel, vllm_config, serve: Path, monkeypatch: pytest.MonkeyPatch, caplog
+) -> None:
     monkeypatch.setattr(vllm_gauges, "_directory", lambda: str(serve / "missing"))
     with caplog.at_level("WARNING", logger=vllm_gauges.__name__):
         first, first_otel = _api_server(otel, vllm_config, 2, 0)

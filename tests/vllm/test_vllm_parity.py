@@ -14,12 +14,25 @@ from vllm_stream import build, default_specs, run
 # The vLLM metrics otel-llm's core telemetry reproduces (vllm naming profile); vLLM's logger
 # code records the others (otel_llm.integrations.vllm_series).
 CORE = {
-    "vllm:request_num_preemptions", "vllm:num_preemptions", "vllm:prompt_tokens", "vllm:generation_tokens",
-    "vllm:request_success", "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-    "vllm:e2e_request_latency_seconds", "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
-    "vllm:request_time_per_output_token_seconds", "vllm:request_queue_time_seconds",
-    "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds", "vllm:request_inference_time_seconds",
-    "vllm:request_prompt_tokens", "vllm:request_generation_tokens", "vllm:request_params_max_tokens",
+    "vllm:request_num_preemptions",
+    "vllm:num_preemptions",
+    "vllm:prompt_tokens",
+    "vllm:generation_tokens",
+    "vllm:request_success",
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:e2e_request_latency_seconds",
+    "vllm:time_to_first_token_seconds",
+    "vllm:inter_token_latency_seconds",
+    "vllm:request_time_per_output_token_seconds",
+    "vllm:request_queue_time_seconds",
+    "vllm:request_prefill_time_seconds",
+    "vllm:request_decode_time_seconds",
+    "vllm:request_inference_time_seconds",
+    "vllm:request_prompt_tokens",
+    "vllm:request_generation_tokens",
+    "vllm:request_params_max_tokens",
     "vllm:iteration_tokens_total",
 }
 
@@ -29,8 +42,12 @@ def _manager(vllm_config):
 
     from otel_llm.integrations.vllm import OtelStatLogger
 
-    manager = StatLoggerManager(vllm_config, engine_idxs=[0, 1], custom_stat_loggers=load_stat_logger_plugin_factories(),
-                                enable_default_loggers=False)
+    manager = StatLoggerManager(
+        vllm_config,
+        engine_idxs=[0, 1],
+        custom_stat_loggers=load_stat_logger_plugin_factories(),
+        enable_default_loggers=False,
+    )
     ours = [s for s in manager.stat_loggers if isinstance(s, OtelStatLogger)]
     theirs = [s for s in manager.stat_loggers if isinstance(s, PrometheusStatLogger)]
     assert len(ours) == 1 and len(theirs) == 1, manager.stat_loggers
@@ -84,11 +101,19 @@ def test_parity_with_vllm_prometheus_logger(otel, vllm_config, monkeypatch, deep
     assert got[("vllm:num_preemptions_total", e1)] == 3
     le = lambda base, v: frozenset(dict(base, le=float(v)).items())  # noqa: E731
     assert [got[("vllm:request_num_preemptions_bucket", le(e0, b))] for b in (1, 2, 3, 10, float("inf"))] == [
-        5, 6, 6, 7, 7]
+        5,
+        6,
+        6,
+        7,
+        7,
+    ]
     assert got[("vllm:prompt_tokens_total", e0)] == sum(s.prompt for s in streams[0].specs)
     assert got[("vllm:generation_tokens_total", e0)] == sum(s.tokens for s in streams[0].specs)
-    success = {dict(k[1]).get("finished_reason"): v for k, v in got.items()
-               if k[0] == "vllm:request_success_total" and k[1] >= e0 and dict(k[1])["engine"] == "0"}
+    success = {
+        dict(k[1]).get("finished_reason"): v
+        for k, v in got.items()
+        if k[0] == "vllm:request_success_total" and k[1] >= e0 and dict(k[1])["engine"] == "0"
+    }
     assert success == {"length": 4, "stop": 2, "abort": 1, "error": 0, "repetition": 0}
     # max_tokens unset on one request: observed by neither.
     assert got[("vllm:request_params_max_tokens_count", e0)] == 6
@@ -122,13 +147,18 @@ def test_an_iteration_without_tokens_is_observed_as_zero(otel, vllm_config):
 
     o = otel(preemption_buckets=VLLM_PREEMPTION_BUCKETS)
     manager, _ = _manager(vllm_config)
-    specs = [Spec("ok", arrive=0, queue=0, prompt=10, tokens=3, max_tokens=3),
-             Spec("err", arrive=10, queue=0, prompt=10, tokens=2, finish="error", empty_last=True)]
+    specs = [
+        Spec("ok", arrive=0, queue=0, prompt=10, tokens=3, max_tokens=3),
+        Spec("err", arrive=10, queue=0, prompt=10, tokens=2, finish="error", empty_last=True),
+    ]
     run(manager, {0: build(specs, time.monotonic(), time.time())})
     expected = vllm_samples(CORE)
     got = otel_samples(o.reader, CORE)
     diff = {k: (v, got.get(k, 0.0)) for k, v in expected.items() if got.get(k, 0.0) != v}
     assert not diff
-    zero_bucket = [v for (name, labels), v in got.items()
-                   if name == "vllm:iteration_tokens_total_bucket" and dict(labels).get("le") == 1.0]
+    zero_bucket = [
+        v
+        for (name, labels), v in got.items()
+        if name == "vllm:iteration_tokens_total_bucket" and dict(labels).get("le") == 1.0
+    ]
     assert zero_bucket and zero_bucket[0] >= 1  # the 0-token iteration is in le=1

@@ -35,7 +35,9 @@ def test_built_by_stat_logger_manager_with_real_vllm_config(otel, vllm_config):
     from otel_llm.integrations.vllm import OtelStatLogger
 
     o = otel()
-    manager = StatLoggerManager(vllm_config, engine_idxs=[0, 1, 3], custom_stat_loggers=load_stat_logger_plugin_factories())
+    manager = StatLoggerManager(
+        vllm_config, engine_idxs=[0, 1, 3], custom_stat_loggers=load_stat_logger_plugin_factories()
+    )
     ours = [s for s in manager.stat_loggers if isinstance(s, OtelStatLogger)]
     assert len(ours) == 1
     logger = ours[0]
@@ -45,7 +47,10 @@ def test_built_by_stat_logger_manager_with_real_vllm_config(otel, vllm_config):
     assert sorted(logger.telemetry) == [0, 1, 3]
     model = vllm_config.model_config.served_model_name
     assert {(t.config.model_name, t.config.engine) for t in logger.telemetry.values()} == {
-        (model, "0"), (model, "1"), (model, "3")}
+        (model, "0"),
+        (model, "1"),
+        (model, "3"),
+    }
     assert len({id(t.metrics.hub) for t in logger.telemetry.values()}) == 1  # one provider set
     assert all(t.config.max_model_len == vllm_config.model_config.max_model_len for t in logger.telemetry.values())
 
@@ -55,10 +60,14 @@ def test_built_by_stat_logger_manager_with_real_vllm_config(otel, vllm_config):
     manager.log()
     got = otel_samples(o.reader, {"vllm:request_success"})
     # Every engine's five finish reasons exist from the start, as vLLM creates them.
-    assert got == {("vllm:request_success_total",
-                    frozenset({"model_name": model, "engine": engine, "finished_reason": reason}.items())):
-                   1.0 if engine == "3" and reason in ("length", "stop") else 0.0
-                   for engine in ("0", "1", "3") for reason in ("stop", "length", "abort", "error", "repetition")}
+    assert got == {
+        (
+            "vllm:request_success_total",
+            frozenset({"model_name": model, "engine": engine, "finished_reason": reason}.items()),
+        ): 1.0 if engine == "3" and reason in ("length", "stop") else 0.0
+        for engine in ("0", "1", "3")
+        for reason in ("stop", "length", "abort", "error", "repetition")
+    }
     # Spans: one per finished request, with the exact preemption count.
     spans = o.spans.get_finished_spans()
     assert sorted(s.attributes["gen_ai.request.id"] for s in spans) == ["x-r0", "x-r0b"]
@@ -78,7 +87,9 @@ def test_builds_its_own_providers_from_the_environment(vllm_config, monkeypatch)
     plugin.reset()
     unregister_vllm_metrics()
     try:
-        manager = StatLoggerManager(vllm_config, engine_idxs=[0], custom_stat_loggers=load_stat_logger_plugin_factories())
+        manager = StatLoggerManager(
+            vllm_config, engine_idxs=[0], custom_stat_loggers=load_stat_logger_plugin_factories()
+        )
         (logger,) = [s for s in manager.stat_loggers if isinstance(s, OtelStatLogger)]
         handle = logger._impl.handle
         assert handle.config.model_name == vllm_config.model_config.served_model_name
@@ -87,8 +98,13 @@ def test_builds_its_own_providers_from_the_environment(vllm_config, monkeypatch)
         assert logger.telemetry[0] is handle.telemetry  # setup_telemetry's own engine "0"
         monkeypatch.setenv("OTEL_LLM_MODEL_NAME", "my-model")
         plugin.reset()
-        (logger2,) = [s for s in StatLoggerManager(vllm_config, custom_stat_loggers=load_stat_logger_plugin_factories())
-                      .stat_loggers if isinstance(s, OtelStatLogger)]
+        (logger2,) = [
+            s
+            for s in StatLoggerManager(
+                vllm_config, custom_stat_loggers=load_stat_logger_plugin_factories()
+            ).stat_loggers
+            if isinstance(s, OtelStatLogger)
+        ]
         assert logger2.telemetry[0].config.model_name == "my-model"
     finally:
         plugin.reset()
@@ -117,12 +133,19 @@ def test_a_bad_setting_disables_the_plugin_not_vllm(vllm_config, monkeypatch, ca
 
 
 def test_importing_otel_llm_does_not_import_vllm():
-    code = ("import sys, otel_llm, otel_llm.integrations, otel_llm.integrations.vllm, "
-            "otel_llm.integrations.vllm_deep_hook; otel_llm.TelemetryConfig; otel_llm.EngineTelemetry; "
-            "bad = sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')); "
-            "assert not bad, bad; print('ok')")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    code = (
+        "import sys, otel_llm, otel_llm.integrations, otel_llm.integrations.vllm, "
+        "otel_llm.integrations.vllm_deep_hook; otel_llm.TelemetryConfig; otel_llm.EngineTelemetry; "
+        "bad = sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')); "
+        "assert not bad, bad; print('ok')"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
 
@@ -131,14 +154,21 @@ def test_beyond_vllm_exemplars_link_histograms_to_request_spans(otel, vllm_confi
     from vllm.v1.metrics.loggers import StatLoggerManager, load_stat_logger_plugin_factories
 
     o = otel()
-    manager = StatLoggerManager(vllm_config, custom_stat_loggers=load_stat_logger_plugin_factories(),
-                                enable_default_loggers=False)
+    manager = StatLoggerManager(
+        vllm_config, custom_stat_loggers=load_stat_logger_plugin_factories(), enable_default_loggers=False
+    )
     script = build(default_specs(), time.monotonic(), time.time())
     run(manager, {0: script})
     by_trace = {s.context.trace_id: s for s in o.spans.get_finished_spans()}
     data = o.reader.get_metrics_data()
-    (point,) = [p for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
-                if m.name == "vllm:request_num_preemptions" for p in m.data.data_points]
+    (point,) = [
+        p
+        for rm in data.resource_metrics
+        for sm in rm.scope_metrics
+        for m in sm.metrics
+        if m.name == "vllm:request_num_preemptions"
+        for p in m.data.data_points
+    ]
     assert point.exemplars
     for exemplar in point.exemplars:
         span = by_trace[exemplar.trace_id]  # the request whose value the bucket holds

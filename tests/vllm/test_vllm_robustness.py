@@ -19,8 +19,9 @@ def _logger(vllm_config):
 
     from otel_llm.integrations.vllm import OtelStatLogger
 
-    manager = StatLoggerManager(vllm_config, custom_stat_loggers=load_stat_logger_plugin_factories(),
-                                enable_default_loggers=False)
+    manager = StatLoggerManager(
+        vllm_config, custom_stat_loggers=load_stat_logger_plugin_factories(), enable_default_loggers=False
+    )
     (ours,) = [s for s in manager.stat_loggers if isinstance(s, OtelStatLogger)]
     return manager, ours
 
@@ -29,9 +30,20 @@ def _finished(**overrides):
     from vllm.v1.engine import FinishReason
     from vllm.v1.metrics.stats import FinishedRequestStats
 
-    values = dict(finish_reason=FinishReason.LENGTH, request_id="q1", e2e_latency=1.25, num_prompt_tokens=10,
-                  num_preemptions=2, num_generation_tokens=4, max_tokens_param=4, queued_time=0.5, prefill_time=0.25,
-                  inference_time=0.7, decode_time=0.45, mean_time_per_output_token=0.15)
+    values = dict(
+        finish_reason=FinishReason.LENGTH,
+        request_id="q1",
+        e2e_latency=1.25,
+        num_prompt_tokens=10,
+        num_preemptions=2,
+        num_generation_tokens=4,
+        max_tokens_param=4,
+        queued_time=0.5,
+        prefill_time=0.25,
+        inference_time=0.7,
+        decode_time=0.45,
+        mean_time_per_output_token=0.15,
+    )
     values.update(overrides)
     return FinishedRequestStats(**values)
 
@@ -50,15 +62,21 @@ def _iteration(finished=()):
 
 
 def _ours(o, model, families):
-    return {(name, dict(labels).get("le")): v for (name, labels), v in otel_samples(o.reader, families).items()
-            if dict(labels).get("engine") == "0" and dict(labels).get("model_name") == model}
+    return {
+        (name, dict(labels).get("le")): v
+        for (name, labels), v in otel_samples(o.reader, families).items()
+        if dict(labels).get("engine") == "0" and dict(labels).get("model_name") == model
+    }
 
 
 def _warnings(caplog):
     """The adapter's own field warnings (vLLM's logger, run for its other series, fails on these
     hand-made stats as it would in vLLM, with one warning of its own)."""
-    return [r.getMessage() for r in caplog.records if r.name == LOGGER and r.levelno == logging.WARNING
-            and "PrometheusStatLogger" not in r.getMessage()]
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == LOGGER and r.levelno == logging.WARNING and "PrometheusStatLogger" not in r.getMessage()
+    ]
 
 
 def test_renamed_iteration_field_degrades_that_metric_with_one_warning(otel, vllm_config, caplog):
@@ -75,8 +93,16 @@ def test_renamed_iteration_field_degrades_that_metric_with_one_warning(otel, vll
     assert "IterationStats.inter_token_latencies_iter is missing" in warnings[0]
     assert "vllm:inter_token_latency_seconds" in warnings[0]
     assert ours.field_warnings == {("IterationStats", "inter_token_latencies_iter")}
-    got = _ours(o, model, {"vllm:inter_token_latency_seconds", "vllm:time_to_first_token_seconds",
-                           "vllm:generation_tokens", "vllm:num_preemptions"})
+    got = _ours(
+        o,
+        model,
+        {
+            "vllm:inter_token_latency_seconds",
+            "vllm:time_to_first_token_seconds",
+            "vllm:generation_tokens",
+            "vllm:num_preemptions",
+        },
+    )
     assert got[("vllm:inter_token_latency_seconds_count", None)] == 0  # degraded: the zero series only
     assert got[("vllm:time_to_first_token_seconds_count", None)] == 3  # the rest goes on
     assert got[("vllm:generation_tokens_total", None)] == 9
@@ -97,11 +123,20 @@ def test_missing_or_retyped_finished_request_field(otel, vllm_config, caplog):
         ours.record(scheduler_stats=None, iteration_stats=_iteration([renamed, retyped]), engine_idx=0)
     warnings = _warnings(caplog)
     assert len(warnings) == 2, warnings
-    assert any("SimpleNamespace.queued_time is missing" in w and "vllm:request_queue_time_seconds" in w
-               for w in warnings)
+    assert any(
+        "SimpleNamespace.queued_time is missing" in w and "vllm:request_queue_time_seconds" in w for w in warnings
+    )
     assert any("FinishedRequestStats.decode_time has an unexpected value '0.45'" in w for w in warnings)
-    got = _ours(o, model, {"vllm:request_queue_time_seconds", "vllm:request_decode_time_seconds",
-                           "vllm:e2e_request_latency_seconds", "vllm:request_num_preemptions"})
+    got = _ours(
+        o,
+        model,
+        {
+            "vllm:request_queue_time_seconds",
+            "vllm:request_decode_time_seconds",
+            "vllm:e2e_request_latency_seconds",
+            "vllm:request_num_preemptions",
+        },
+    )
     assert got[("vllm:request_queue_time_seconds_count", None)] == 2  # only from the intact ones
     assert got[("vllm:request_decode_time_seconds_count", None)] == 2
     assert got[("vllm:e2e_request_latency_seconds_count", None)] == 4
@@ -124,12 +159,15 @@ def test_scheduler_stats_of_another_shape(otel, vllm_config, caplog):
     assert got == {("vllm:num_requests_running", None): 3.0, ("vllm:num_requests_waiting", None): 2.0}
 
 
-@pytest.mark.parametrize("garbage", [
-    (42, "not stats"),
-    (None, object()),
-    (types.SimpleNamespace(), types.SimpleNamespace(finished_requests=[object()])),
-    (types.SimpleNamespace(num_running_reqs=-1, num_waiting_reqs=float("nan"), kv_cache_usage=7.0), None),
-])
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        (42, "not stats"),
+        (None, object()),
+        (types.SimpleNamespace(), types.SimpleNamespace(finished_requests=[object()])),
+        (types.SimpleNamespace(num_running_reqs=-1, num_waiting_reqs=float("nan"), kv_cache_usage=7.0), None),
+    ],
+)
 def test_nothing_raises_into_vllm(otel, vllm_config, caplog, garbage):
     otel()
     manager, ours = _logger(vllm_config)

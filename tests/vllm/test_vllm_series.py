@@ -43,8 +43,12 @@ def _config(model_dir: str, **kwargs):
 def _samples(text: str) -> dict[tuple[str, frozenset], float]:
     from prometheus_client.parser import text_string_to_metric_families
 
-    return {(s.name, frozenset(s.labels.items())): s.value for f in text_string_to_metric_families(text)
-            for s in f.samples if s.name.startswith("vllm:") and not s.name.endswith("_created")}
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name.startswith("vllm:") and not s.name.endswith("_created")
+    }
 
 
 def _run(vllm_config, scheduler_stats):
@@ -53,8 +57,12 @@ def _run(vllm_config, scheduler_stats):
 
     from otel_llm.integrations.vllm import OtelStatLogger
 
-    manager = StatLoggerManager(vllm_config, engine_idxs=[0], custom_stat_loggers=load_stat_logger_plugin_factories(),
-                                enable_default_loggers=False)
+    manager = StatLoggerManager(
+        vllm_config,
+        engine_idxs=[0],
+        custom_stat_loggers=load_stat_logger_plugin_factories(),
+        enable_default_loggers=False,
+    )
     (ours,) = [s for s in manager.stat_loggers if isinstance(s, OtelStatLogger)]
     manager.log_engine_initialized()
     run(manager, {0: build(default_specs("s-"), time.monotonic(), time.time())})
@@ -79,24 +87,44 @@ def test_lora_info_and_speculative_decoding_and_kv_block_metrics(plugin_endpoint
     from vllm.v1.metrics.stats import KVCacheEvictionEvent, SchedulerStats
     from vllm.v1.spec_decode.metrics import SpecDecodingStats
 
-    config = _config(model_dir, lora_config=LoRAConfig(max_loras=2, max_lora_rank=8),
-                     speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=2,
-                                                          prompt_lookup_max=3, prompt_lookup_min=1),
-                     observability_config=ObservabilityConfig(kv_cache_metrics=True))
+    config = _config(
+        model_dir,
+        lora_config=LoRAConfig(max_loras=2, max_lora_rank=8),
+        speculative_config=SpeculativeConfig(
+            method="ngram", num_speculative_tokens=2, prompt_lookup_max=3, prompt_lookup_min=1
+        ),
+        observability_config=ObservabilityConfig(kv_cache_metrics=True),
+    )
     spec = SpecDecodingStats.new(2)
     spec.observe_draft(num_draft_tokens=2, num_accepted_tokens=1)
     spec.observe_draft(num_draft_tokens=2, num_accepted_tokens=2)
-    stats = SchedulerStats(num_running_reqs=1, num_waiting_reqs=1, kv_cache_usage=0.25, spec_decoding_stats=spec,
-                           running_lora_adapters={"adapter-a": 1}, waiting_lora_adapters={"adapter-b": 1},
-                           kv_cache_eviction_events=[KVCacheEvictionEvent(lifetime_seconds=3.0, idle_seconds=1.0,
-                                                                          reuse_gaps_seconds=(0.5, 2.0))])
+    stats = SchedulerStats(
+        num_running_reqs=1,
+        num_waiting_reqs=1,
+        kv_cache_usage=0.25,
+        spec_decoding_stats=spec,
+        running_lora_adapters={"adapter-a": 1},
+        waiting_lora_adapters={"adapter-b": 1},
+        kv_cache_eviction_events=[
+            KVCacheEvictionEvent(lifetime_seconds=3.0, idle_seconds=1.0, reuse_gaps_seconds=(0.5, 2.0))
+        ],
+    )
     theirs, ours = _run(config, stats)
     # lora_requests_info's value is the time of the record (set_to_current_time): vLLM's logger
     # and ours set it microseconds apart.
     lora = "vllm:lora_requests_info"
-    _assert_same(theirs, ours, {"vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens_per_pos",
-                                "vllm:kv_block_lifetime_seconds", "vllm:kv_block_reuse_gap_seconds", lora},
-                 skip_values=frozenset({lora}))
+    _assert_same(
+        theirs,
+        ours,
+        {
+            "vllm:spec_decode_num_drafts",
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "vllm:kv_block_lifetime_seconds",
+            "vllm:kv_block_reuse_gap_seconds",
+            lora,
+        },
+        skip_values=frozenset({lora}),
+    )
     assert [v for (n, _), v in theirs.items() if n == "vllm:spec_decode_num_accepted_tokens_total"] == [3.0]
     (when,) = [v for (n, labels), v in ours.items() if n == lora and ("running_lora_adapters", "adapter-a") in labels]
     assert abs(when - time.time()) < 60
@@ -106,12 +134,21 @@ def test_vllms_custom_histogram_buckets_are_honoured_by_every_histogram(plugin_e
     from vllm.config import ObservabilityConfig
     from vllm.v1.metrics.stats import SchedulerStats
 
-    config = _config(model_dir, observability_config=ObservabilityConfig(custom_histogram_buckets={
-        "time_to_first_token": TTFT_BUCKETS, "request_num_preemptions": PREEMPTION_BUCKETS}))
+    config = _config(
+        model_dir,
+        observability_config=ObservabilityConfig(
+            custom_histogram_buckets={
+                "time_to_first_token": TTFT_BUCKETS,
+                "request_num_preemptions": PREEMPTION_BUCKETS,
+            }
+        ),
+    )
     theirs, ours = _run(config, SchedulerStats())
     _assert_same(theirs, ours, {"vllm:time_to_first_token_seconds", "vllm:request_num_preemptions"})
-    for name, bounds in (("vllm:time_to_first_token_seconds_bucket", TTFT_BUCKETS),
-                         ("vllm:request_num_preemptions_bucket", PREEMPTION_BUCKETS)):
+    for name, bounds in (
+        ("vllm:time_to_first_token_seconds_bucket", TTFT_BUCKETS),
+        ("vllm:request_num_preemptions_bucket", PREEMPTION_BUCKETS),
+    ):
         les = sorted(float(dict(labels)["le"]) for n, labels in ours if n == name)
         assert les == [*bounds, float("inf")]
 
@@ -121,12 +158,17 @@ def test_semconv_profile_names_vllms_other_series_without_a_vllm_colon_name(otel
     from vllm.v1.metrics.loggers import StatLoggerManager, load_stat_logger_plugin_factories
 
     o = otel(naming="semconv")
-    manager = StatLoggerManager(vllm_config, engine_idxs=[0], custom_stat_loggers=load_stat_logger_plugin_factories(),
-                                enable_default_loggers=False)
+    manager = StatLoggerManager(
+        vllm_config,
+        engine_idxs=[0],
+        custom_stat_loggers=load_stat_logger_plugin_factories(),
+        enable_default_loggers=False,
+    )
     run(manager, {0: build(default_specs("n-"), time.monotonic(), time.time())})
     data = o.reader.get_metrics_data()
-    points = {m.name: list(m.data.data_points) for rm in data.resource_metrics for sm in rm.scope_metrics
-              for m in sm.metrics}
+    points = {
+        m.name: list(m.data.data_points) for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
+    }
     assert not [name for name in points if name.startswith("vllm:")]
     (computed,) = points["vllm.request_prefill_kv_computed_tokens"]
     model = vllm_config.model_config.served_model_name

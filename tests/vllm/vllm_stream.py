@@ -135,8 +135,9 @@ def scheduler_stats(script: Script, step: int, outs: list[Output]) -> Any:
     from vllm.v1.metrics.stats import SchedulerStats
 
     running = {o.rid for o in outs}
-    waiting = sum(1 for spec in script.specs
-                  if spec.arrive <= step <= script.finish_step[spec.rid] and spec.rid not in running)
+    waiting = sum(
+        1 for spec in script.specs if spec.arrive <= step <= script.finish_step[spec.rid] and spec.rid not in running
+    )
     skipped = 1 if step % 4 == 3 else 0
     return SchedulerStats(
         num_running_reqs=len(outs),
@@ -170,8 +171,9 @@ def run(manager: Any, streams: dict[int, Script]) -> None:
             sched = scheduler_stats(script, step, outs) if step % 5 != 2 or not outs else None
             processor.update_scheduler_stats(sched)
             if sched is not None or iteration_stats is not None:
-                manager.record(engine_idx=idx, scheduler_stats=sched, iteration_stats=iteration_stats,
-                               mm_cache_stats=None)
+                manager.record(
+                    engine_idx=idx, scheduler_stats=sched, iteration_stats=iteration_stats, mm_cache_stats=None
+                )
     assert not processor.has_unfinished_requests()
 
 
@@ -183,11 +185,38 @@ def default_specs(prefix: str = "") -> list[Spec]:
         Spec(prefix + "r0", arrive=0, queue=0, prompt=12, tokens=6, max_tokens=6),
         Spec(prefix + "r0b", arrive=1, queue=3, prompt=300, tokens=3, max_tokens=None, finish="stop"),
         Spec(prefix + "r1", arrive=1, queue=1, prompt=40, tokens=8, preempt_after=(3,), max_tokens=8),
-        Spec(prefix + "r2", arrive=2, queue=0, prompt=64, tokens=5, preempt_after=(0, 2), wait=4,
-             max_tokens=20, cached=32, finish="stop"),
-        Spec(prefix + "r7", arrive=2, queue=5, prompt=900, tokens=12, preempt_after=(0, 1, 1, 3, 5, 5, 9),
-             wait=3, max_tokens=12),
-        Spec(prefix + "r1b", arrive=6, queue=12, prompt=7, tokens=1, preempt_after=(0,), wait=30, max_tokens=4,
-             finish="abort"),
+        Spec(
+            prefix + "r2",
+            arrive=2,
+            queue=0,
+            prompt=64,
+            tokens=5,
+            preempt_after=(0, 2),
+            wait=4,
+            max_tokens=20,
+            cached=32,
+            finish="stop",
+        ),
+        Spec(
+            prefix + "r7",
+            arrive=2,
+            queue=5,
+            prompt=900,
+            tokens=12,
+            preempt_after=(0, 1, 1, 3, 5, 5, 9),
+            wait=3,
+            max_tokens=12,
+        ),
+        Spec(
+            prefix + "r1b",
+            arrive=6,
+            queue=12,
+            prompt=7,
+            tokens=1,
+            preempt_after=(0,),
+            wait=30,
+            max_tokens=4,
+            finish="abort",
+        ),
         Spec(prefix + "r0c", arrive=9, queue=2, prompt=2, tokens=40, max_tokens=40),
     ]

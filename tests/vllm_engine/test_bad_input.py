@@ -12,9 +12,8 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from tests.support.backends import wait_until
-
 from otel_llm.integrations.vllm_server import LOOPBACK, Load, VllmServer, run_load
+from tests.support.backends import wait_until
 
 LOAD = Load(requests=4, concurrency=4, max_tokens=8, seed=2)
 
@@ -24,13 +23,22 @@ def test_prometheus_port_taken_leaves_metrics_endpoint_out_and_spans_on(tiny_mod
         taken.bind((LOOPBACK, 0))
         taken.listen()
         port = taken.getsockname()[1]
-        env = {"OTEL_EXPORTER_PROMETHEUS_PORT": str(port), "OTEL_METRICS_EXPORTER": "prometheus",
-               "OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": otlp_sink.endpoint,
-               "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "OTEL_BSP_SCHEDULE_DELAY": "200"}
+        env = {
+            "OTEL_EXPORTER_PROMETHEUS_PORT": str(port),
+            "OTEL_METRICS_EXPORTER": "prometheus",
+            "OTEL_TRACES_EXPORTER": "otlp",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": otlp_sink.endpoint,
+            "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+            "OTEL_BSP_SCHEDULE_DELAY": "200",
+        }
         with VllmServer(tiny_model, env=env) as server:
             assert [c.status for c in run_load(server.url, LOAD)] == [200] * LOAD.requests
-            wait_until(lambda: sum(s.name == "llm_request" for s in otlp_sink.spans()) == LOAD.requests, 60,
-                       interval=0.2, what="the request spans")
+            wait_until(
+                lambda: sum(s.name == "llm_request" for s in otlp_sink.spans()) == LOAD.requests,
+                60,
+                interval=0.2,
+                what="the request spans",
+            )
             lines = [line for line in server.log_text().splitlines() if "otel-llm" in line]
     said = [line for line in lines if "no /metrics endpoint in this process" in line]
     assert len(said) == 1 and f"{LOOPBACK}:{port}" in said[0], lines

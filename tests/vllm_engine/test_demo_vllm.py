@@ -22,7 +22,7 @@ try:
 except PackageNotFoundError:
     pytest.skip("vLLM's CPU build is not installed here (make test-vllm-engine)", allow_module_level=True)
 
-from otel_llm.integrations.vllm_server import traceparent  # noqa: E402
+from otel_llm.integrations.vllm_server import traceparent
 
 REQUESTS = 32
 SEED = 1
@@ -30,8 +30,12 @@ TIMEOUT_S = 900  # vLLM's start (~60 s here, several times that on a busy machin
 
 
 def run_demo(*args: str) -> tuple[int, str, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "otel_llm.cli", "demo-vllm", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "otel_llm.cli", "demo-vllm", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         out, err = proc.communicate(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -47,21 +51,26 @@ def field(out: str, name: str) -> str:
 
 
 def test_demo_vllm_summary() -> None:
-    code, out, err = run_demo("--requests", str(REQUESTS), "--concurrency", str(REQUESTS), "--seed", str(SEED),
-                              "--no-progress")
+    code, out, err = run_demo(
+        "--requests", str(REQUESTS), "--concurrency", str(REQUESTS), "--seed", str(SEED), "--no-progress"
+    )
     assert code == 0, out + err[-3000:]
 
     assert field(out, "load") == f"{REQUESTS} requests, {REQUESTS} at a time, 96 output tokens each, seed {SEED}"
     assert int(field(out, "requests")) == REQUESTS
     assert int(field(out, "output tokens")) == REQUESTS * 96  # ignore_eos: every request runs to max_tokens
 
-    parity = re.fullmatch(r"equals vLLM's own /metrics: (\d+) series compared, (\d+) equal, 0 differing "
-                          r"\(\d+ only ours\)", field(out, "vLLM parity"))
+    parity = re.fullmatch(
+        r"equals vLLM's own /metrics: (\d+) series compared, (\d+) equal, 0 differing "
+        r"\(\d+ only ours\)",
+        field(out, "vLLM parity"),
+    )
     assert parity, field(out, "vLLM parity")
     assert int(parity.group(1)) == int(parity.group(2)) > 0
 
-    assert field(out, "traces") == (f"{REQUESTS} request spans received over OTLP, {REQUESTS} of them children "
-                                    "of the client's traceparent")
+    assert field(out, "traces") == (
+        f"{REQUESTS} request spans received over OTLP, {REQUESTS} of them children of the client's traceparent"
+    )
 
     chart = [int(m.group(1)) for m in re.finditer(r"^\s+\S+ \| #*\s+(\d+) \(", out, re.MULTILINE)]
     assert len(chart) == 9 and sum(chart) == REQUESTS  # the default buckets 0.5, 1, 2, 3, 4, 5, 10, 20 and +Inf

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tests.support.backends import wait_until
 
 from otel_llm.integrations.vllm_server import (
     MAX_MODEL_LEN,
@@ -31,6 +30,7 @@ from otel_llm.integrations.vllm_server import (
     scrape,
     traceparent,
 )
+from tests.support.backends import wait_until
 
 LOAD = Load(requests=64, concurrency=64, max_tokens=96, seed=0)
 ABORTED_TRACE = ("%032x" % 0xA807, "%016x" % 0xD15C)  # the disconnecting client's trace and span ids
@@ -59,8 +59,9 @@ async def _disconnect_mid_stream(url: str) -> int:
     trace_id, span_id = ABORTED_TRACE
     body = {"model": MODEL_NAME, "prompt": [7] * 20, "max_tokens": 200, "stream": True, "ignore_eos": True}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
-        response = await session.post(f"{url}/v1/completions", json=body,
-                                      headers={"traceparent": f"00-{trace_id}-{span_id}-01"})
+        response = await session.post(
+            f"{url}/v1/completions", json=body, headers={"traceparent": f"00-{trace_id}-{span_id}-01"}
+        )
         chunks = 0
         async for _line in response.content:
             chunks += 1
@@ -94,9 +95,16 @@ def _attrs(span: Any) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def run(tiny_model: Path, otlp_sink: Any) -> Run:
-    server = VllmServer(tiny_model, env={
-        "OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": otlp_sink.endpoint,
-        "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "OTEL_BSP_SCHEDULE_DELAY": "200", "OTEL_LLM_VLLM_DEEP_HOOK": "1"})
+    server = VllmServer(
+        tiny_model,
+        env={
+            "OTEL_TRACES_EXPORTER": "otlp",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": otlp_sink.endpoint,
+            "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+            "OTEL_BSP_SCHEDULE_DELAY": "200",
+            "OTEL_LLM_VLLM_DEEP_HOOK": "1",
+        },
+    )
     with server:
         vllm_start, ours_start = scrape(server.url + "/metrics"), scrape(server.metrics_url)
         completions = run_load(server.url, LOAD)
@@ -104,18 +112,34 @@ def run(tiny_model: Path, otlp_sink: Any) -> Run:
         assert not failed, f"{len(failed)} failed, e.g. {failed[0]}\n{server.log_tail()}"
         chunks = asyncio.run(_disconnect_mid_stream(server.url))
         # After the abort, so that the stat logger's next record() gives the aborted request its span.
-        malformed = asyncio.run(_post(server.url, {"model": MODEL_NAME, "prompt": [9] * 10, "max_tokens": 5},
-                                      {"traceparent": "00-not-a-trace-context"}))
-        rejected = asyncio.run(_post(server.url, {"model": MODEL_NAME, "prompt": [5] * (MAX_MODEL_LEN + 44),
-                                                  "max_tokens": 5}, {}))
+        malformed = asyncio.run(
+            _post(
+                server.url,
+                {"model": MODEL_NAME, "prompt": [9] * 10, "max_tokens": 5},
+                {"traceparent": "00-not-a-trace-context"},
+            )
+        )
+        rejected = asyncio.run(
+            _post(server.url, {"model": MODEL_NAME, "prompt": [5] * (MAX_MODEL_LEN + 44), "max_tokens": 5}, {})
+        )
         # Every request's span, the disconnected one's included (whether vLLM aborted it or, on a
         # slow machine, finished it before it saw the client go): every request is then done.
-        wait_until(lambda: len(otlp_sink.spans()) >= LOAD.requests + 2, 120, interval=0.5,
-                   what="every request span")
+        wait_until(lambda: len(otlp_sink.spans()) >= LOAD.requests + 2, 120, interval=0.5, what="every request span")
         with urllib.request.urlopen(server.metrics_url, timeout=30) as response:
             ours_text = response.read().decode()
-        return Run(server, vllm_start, ours_start, completions, chunks, rejected, malformed,
-                   scrape(server.url + "/metrics"), scrape(server.metrics_url), ours_text, list(otlp_sink.spans()))
+        return Run(
+            server,
+            vllm_start,
+            ours_start,
+            completions,
+            chunks,
+            rejected,
+            malformed,
+            scrape(server.url + "/metrics"),
+            scrape(server.metrics_url),
+            ours_text,
+            list(otlp_sink.spans()),
+        )
 
 
 def _vllm_series_equal(vllm: Samples, ours: Samples) -> tuple[int, dict, list]:
@@ -175,8 +199,11 @@ def test_preempted_span_events_equal_vllms_preemption_counter(run: Run) -> None:
     events = [e for s in spans for e in s.events if e.name == "preempted"]
     assert len(events) == preemptions
     for s in spans:  # ordinals 1..n on each span, n = its llm.request.num_preemptions
-        ordinals = [next(a.value.int_value for a in e.attributes if a.key == "ordinal")
-                    for e in s.events if e.name == "preempted"]
+        ordinals = [
+            next(a.value.int_value for a in e.attributes if a.key == "ordinal")
+            for e in s.events
+            if e.name == "preempted"
+        ]
         assert ordinals == list(range(1, len(ordinals) + 1))
         assert _attrs(s).get("llm.request.num_preemptions", 0) == len(ordinals)
 
@@ -215,8 +242,11 @@ def test_vllms_own_expected_metrics_list_passes_on_our_endpoint(run: Run, vllm_s
     expected list appears, and cache_config_info carries its sizing labels."""
     source = (vllm_sdist / "tests/entrypoints/serve/instrumentator/test_metrics.py").read_text()
     tree = ast.parse(source)
-    expected = next(ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
-                    and any(getattr(t, "id", "") == "EXPECTED_METRICS_V1" for t in node.targets))
+    expected = next(
+        ast.literal_eval(node.value)
+        for node in tree.body
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "EXPECTED_METRICS_V1" for t in node.targets)
+    )
     assert len(expected) > 40
     absent = [name for name in expected if name not in run.ours_text]
     assert not absent, absent

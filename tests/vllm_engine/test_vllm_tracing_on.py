@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tests.support.backends import wait_until
 
 from otel_llm.integrations.vllm import SIBLING_SPAN_NAME
 from otel_llm.integrations.vllm_server import MODEL_NAME, Load, VllmServer, run_load, scrape, traceparent
+from tests.support.backends import wait_until
 
 LOAD = Load(requests=24, concurrency=24, max_tokens=96, seed=1)
 SERVER, INTERNAL = 2, 1  # OTLP span kinds
@@ -19,15 +19,24 @@ SERVER, INTERNAL = 2, 1  # OTLP span kinds
 
 @pytest.fixture(scope="module")
 def traced(tiny_model: Path, otlp_sink: Any) -> tuple[list[Any], float]:
-    env = {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": otlp_sink.endpoint,
-           "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc",
-           "OTEL_BSP_SCHEDULE_DELAY": "200", "OTEL_LLM_VLLM_DEEP_HOOK": "1"}
+    env = {
+        "OTEL_TRACES_EXPORTER": "otlp",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": otlp_sink.endpoint,
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc",
+        "OTEL_BSP_SCHEDULE_DELAY": "200",
+        "OTEL_LLM_VLLM_DEEP_HOOK": "1",
+    }
     with VllmServer(tiny_model, env=env, args=["--otlp-traces-endpoint", otlp_sink.endpoint]) as server:
         completions = run_load(server.url, LOAD)
         assert [c.status for c in completions] == [200] * LOAD.requests
         # vLLM also traces its start-up (worker init, model load, ...): count request spans only.
-        wait_until(lambda: sum(s.name in ("llm_request", SIBLING_SPAN_NAME) for s in otlp_sink.spans())
-                   >= 2 * LOAD.requests, 120, interval=0.5, what="vLLM's and our request spans")
+        wait_until(
+            lambda: sum(s.name in ("llm_request", SIBLING_SPAN_NAME) for s in otlp_sink.spans()) >= 2 * LOAD.requests,
+            120,
+            interval=0.5,
+            what="vLLM's and our request spans",
+        )
         labels = frozenset({"model_name": MODEL_NAME, "engine": "0"}.items())
         preemptions = scrape(server.url + "/metrics")[("vllm:num_preemptions_total", labels)]
         return list(otlp_sink.spans()), preemptions
