@@ -176,7 +176,7 @@ class _CountingExporter(SpanExporter, LogRecordExporter):
 
     def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
         try:
-            self._exporter.shutdown(timeout_millis=timeout_millis, **kwargs)  # type: ignore[call-arg]
+            self._exporter.shutdown(timeout_millis=timeout_millis, **kwargs)
         except TypeError:
             self._exporter.shutdown()
 

@@ -269,7 +269,7 @@ def _new_exemplars(aggregation: Any, cell: HistogramCell, seq: int) -> list[Exem
     ]
 
 
-class _CellAggregation(sdk_aggregation.ExplicitBucketHistogramAggregation):  # type: ignore[misc]
+class _CellAggregation(sdk_aggregation.ExplicitBucketHistogramAggregation):
     """Per reader and attribute set: reads the bound :class:`HistogramCell` at collect time.
 
     Subclassing the SDK's explicit-bucket aggregation makes the metric reader storage wrap
@@ -346,7 +346,7 @@ class _CellAggregation(sdk_aggregation.ExplicitBucketHistogramAggregation):  # t
         )
 
 
-class _ExponentialCellAggregation(sdk_aggregation.ExponentialBucketHistogramAggregation):  # type: ignore[misc]
+class _ExponentialCellAggregation(sdk_aggregation.ExponentialBucketHistogramAggregation):
     """Per reader and attribute set: reads the bound :class:`ExponentialHistogramCell` at collect
     time, as exponential histogram points equal to the SDK's for a synchronous histogram:
 

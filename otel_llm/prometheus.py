@@ -71,7 +71,7 @@ _MAX_CONNECTIONS = 8
 _REQUEST_TIMEOUT = 10.0
 
 
-class _ExemplarCollector(sdk_prometheus.CustomCollector):  # type: ignore[misc]
+class _ExemplarCollector(sdk_prometheus.CustomCollector):
     """Upstream's collector, with exemplars on histogram buckets and canonical ``le``."""
 
     def __init__(self, **kwargs: Any) -> None:
@@ -123,14 +123,15 @@ class _ExemplarCollector(sdk_prometheus.CustomCollector):  # type: ignore[misc]
         for point, label_values in zip(metric.data.data_points, label_rows):
             key = (family.name, tuple(label_keys), tuple(label_values))
             exemplars = self._bucket_exemplars(key, point)
-            buckets = []
+            buckets: list[tuple[str, float] | tuple[str, float, Exemplar]] = []
             total = 0
             bounds = list(point.explicit_bounds) + [float("inf")]
             for i, (bound, count) in enumerate(zip(bounds, point.bucket_counts)):
                 total += count
                 le = floatToGoString(bound)
-                if exemplars[i] is not None:
-                    buckets.append((le, total, exemplars[i]))
+                exemplar = exemplars[i]
+                if exemplar is not None:
+                    buckets.append((le, total, exemplar))
                 else:
                     buckets.append((le, total))
             family.add_metric(labels=label_values, buckets=buckets, sum_value=point.sum)

@@ -12,7 +12,7 @@ import os
 import threading
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
 from opentelemetry import trace
 from opentelemetry._logs import NoOpLoggerProvider
@@ -36,11 +36,14 @@ from .config import DEFAULT_DEFER_STEPS, TelemetryConfig
 from .metric_views import use_reader_views, views
 from .telemetry import EngineTelemetry
 
+if TYPE_CHECKING:
+    from opentelemetry.sdk.metrics import ExemplarFilter
+
 _log = logging.getLogger(__name__)
 
 DEFAULT_PROMETHEUS_HOST = "127.0.0.1"
 DEFAULT_PROMETHEUS_PORT = 9464
-_EXEMPLAR_FILTERS = {
+_EXEMPLAR_FILTERS: dict[str, Callable[[], ExemplarFilter]] = {
     "trace_based": TraceBasedExemplarFilter,
     "always_on": AlwaysOnExemplarFilter,
     "always_off": AlwaysOffExemplarFilter,

@@ -82,7 +82,7 @@ class RequestSink:
 
     def request_scheduled(self, req: RequestState, ts: float, resumed: bool) -> None:
         if resumed and req.span is not None:
-            self.spans.event(req.span, "resumed", ts, {"ordinal": req.num_preemptions})  # type: ignore[union-attr]
+            self.spans.event(req.span, "resumed", ts, {"ordinal": req.num_preemptions})  # type: ignore[union-attr]  # a req.span implies self.spans
 
     def request_preempted(self, req: RequestState, event: RequestEvent) -> None:
         self.metrics.preempted(event.reason, event.num_computed_tokens)
@@ -92,7 +92,7 @@ class RequestSink:
         self.metrics.ttft(ts - req.arrival, req.exemplar, req.ctx)
         self.metrics.prompt_tokens(req.prompt_tokens)
         if req.span is not None:
-            self.spans.event(req.span, "first_token", ts, {})  # type: ignore[union-attr]
+            self.spans.event(req.span, "first_token", ts, {})  # type: ignore[union-attr]  # a req.span implies self.spans
 
     def request_finished(self, req: RequestState, summary: RequestSummary, event: RequestEvent) -> None:
         extra = None
@@ -105,7 +105,7 @@ class RequestSink:
     def request_evicted(self, req: RequestState) -> None:
         self.dropped(t.EVICTED, req)
         if req.span is not None:
-            self.spans.abandon(req.span, req.last_ts, "evicted")  # type: ignore[union-attr]
+            self.spans.abandon(req.span, req.last_ts, "evicted")  # type: ignore[union-attr]  # a req.span implies self.spans
 
     def dropped(self, reason: str, event: Any) -> None:
         self.metrics.dropped(reason)
@@ -116,11 +116,11 @@ class RequestSink:
     ) -> None:
         """The one place a preemption becomes an event: span event and/or log record, per config."""
         if req.span is not None and self._span_events:
-            self.spans.event(
+            self.spans.event(  # type: ignore[union-attr]  # a req.span implies self.spans
                 req.span,
                 "preempted",
                 ts,
-                {  # type: ignore[union-attr]
+                {
                     "ordinal": ordinal,
                     "num_computed_tokens": num_computed_tokens,
                     "reason": reason,
@@ -146,7 +146,7 @@ class RequestSink:
                 summary.histogram_values(), summary.finish_reason, summary.num_preemptions, req.exemplar, req.ctx
             )
         if req.span is not None:
-            self.spans.end(req.span, summary, extra)  # type: ignore[union-attr]
+            self.spans.end(req.span, summary, extra)  # type: ignore[union-attr]  # a req.span implies self.spans
 
     def internal_error(self, event: Any) -> None:
         try:

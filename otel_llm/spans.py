@@ -190,7 +190,7 @@ class _OpenSpan:
         parent: Optional[SpanContext],
         start_ns: int,
         attributes: Any,
-        events: Optional[BoundedList],
+        events: Optional[BoundedList[Event]],
     ) -> None:
         self.api = api  # a NonRecordingSpan with this span's context: what a record() context carries
         self.parent = parent
@@ -269,7 +269,7 @@ class AssembledSpans(RequestSpans):
             )
         span.events.append(Event(name, attributes, self.wall_ns(ts)))
 
-    def _emit(self, span: _OpenSpan, status: Status, end_ns: int) -> None:
+    def _emit(self, span: _OpenSpan, events: BoundedList[Event], status: Status, end_ns: int) -> None:
         tracer = self.tracer
         if isinstance(span.attributes, BoundedAttributes):
             sdk_tracer.freeze(span.attributes)
@@ -280,7 +280,7 @@ class AssembledSpans(RequestSpans):
                 span.parent,
                 tracer.resource,
                 span.attributes,
-                span.events,
+                events,
                 (),
                 self.kind,
                 tracer.instrumentation_info,
@@ -292,16 +292,18 @@ class AssembledSpans(RequestSpans):
         )
 
     def end(self, span: _OpenSpan, summary: RequestSummary, extra: Optional[Mapping[str, Any]] = None) -> None:
-        if span.events is None:
+        events = span.events
+        if events is None:
             return
-        span.attributes.update(self._end_attributes(summary, extra))  # type: ignore[union-attr]
-        self._emit(span, self._end_status(summary), self.wall_ns(summary.finish_time))
+        span.attributes.update(self._end_attributes(summary, extra))
+        self._emit(span, events, self._end_status(summary), self.wall_ns(summary.finish_time))
 
     def abandon(self, span: _OpenSpan, ts: Optional[float], why: str) -> None:
-        if span.events is None:
+        events = span.events
+        if events is None:
             return
-        span.attributes["llm.request.incomplete"] = why  # type: ignore[index]
-        self._emit(span, self._abandon_status(why), self.wall_ns(ts) if ts is not None else time.time_ns())
+        span.attributes["llm.request.incomplete"] = why
+        self._emit(span, events, self._abandon_status(why), self.wall_ns(ts) if ts is not None else time.time_ns())
 
 
 class LogEvents:

@@ -6,6 +6,7 @@ as ``Histogram`` / ``ExponentialHistogram`` for every exporter. Views call an ag
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 from opentelemetry.sdk.metrics._internal import aggregation as _aggregation
 from opentelemetry.sdk.metrics._internal import measurement as _measurement
@@ -15,8 +16,10 @@ from opentelemetry.sdk.metrics.view import Aggregation
 from . import require, require_parameters
 
 # ``object`` when the SDK lost them: otel_llm still imports, and check() fails.
-ExplicitBucketHistogramAggregation: type = getattr(_aggregation, "_ExplicitBucketHistogramAggregation", object)
-ExponentialBucketHistogramAggregation: type = getattr(_aggregation, "_ExponentialBucketHistogramAggregation", object)
+ExplicitBucketHistogramAggregation: type[Any] = getattr(_aggregation, "_ExplicitBucketHistogramAggregation", object)
+ExponentialBucketHistogramAggregation: type[Any] = getattr(
+    _aggregation, "_ExponentialBucketHistogramAggregation", object
+)
 
 _MODULE = "opentelemetry.sdk.metrics._internal.aggregation"
 

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import math
 import sys
+from typing import cast
 
 from opentelemetry.sdk.metrics import Histogram, MeterProvider
 from opentelemetry.sdk.metrics._internal.exponential_histogram.mapping import logarithm_mapping
-from opentelemetry.sdk.metrics.export import AggregationTemporality, InMemoryMetricReader
+from opentelemetry.sdk.metrics.export import AggregationTemporality, ExponentialHistogram, InMemoryMetricReader
 from opentelemetry.sdk.metrics.view import ExponentialBucketHistogramAggregation, View
 
 from . import require
@@ -72,12 +73,15 @@ def _delta_scales() -> list[int]:
         for values in ((1.5, 1e6), (1.5,)):
             for value in values:
                 histogram.record(value)
+            data = reader.get_metrics_data()
+            assert data is not None  # the provider is live: its reader collects
             scales += [
                 p.scale
-                for rm in reader.get_metrics_data().resource_metrics
+                for rm in data.resource_metrics
                 for sm in rm.scope_metrics
                 for m in sm.metrics
-                for p in m.data.data_points
+                # the View above makes its one stream an exponential histogram
+                for p in cast(ExponentialHistogram, m.data).data_points
             ]
         return scales
     finally:

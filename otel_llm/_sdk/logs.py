@@ -5,6 +5,7 @@ names, deprecated); and whether the Logs API emits log-based events (``event_nam
 from __future__ import annotations
 
 import inspect
+from typing import TYPE_CHECKING
 
 from opentelemetry import _logs as _logs_api
 from opentelemetry.sdk import _logs as _sdk_logs
@@ -14,9 +15,13 @@ from . import require
 
 LoggerProvider = _sdk_logs.LoggerProvider
 BatchLogRecordProcessor = _export.BatchLogRecordProcessor
-LogRecordExporter = getattr(_export, "LogRecordExporter", None) or _export.LogExporter
-LogRecordExportResult = getattr(_export, "LogRecordExportResult", None) or _export.LogExportResult
-ConsoleLogRecordExporter = getattr(_export, "ConsoleLogRecordExporter", None) or _export.ConsoleLogExporter
+if TYPE_CHECKING:
+    # The names type-check as the current SDK's; at run time, older SDKs have only the old names.
+    from opentelemetry.sdk._logs.export import ConsoleLogRecordExporter, LogRecordExporter, LogRecordExportResult
+else:
+    LogRecordExporter = getattr(_export, "LogRecordExporter", None) or _export.LogExporter
+    LogRecordExportResult = getattr(_export, "LogRecordExportResult", None) or _export.LogExportResult
+    ConsoleLogRecordExporter = getattr(_export, "ConsoleLogRecordExporter", None) or _export.ConsoleLogExporter
 
 
 def check() -> None:

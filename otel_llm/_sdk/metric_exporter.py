@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 from opentelemetry.sdk.metrics import Counter
 from opentelemetry.sdk.metrics.export import AggregationTemporality, ConsoleMetricExporter, MetricExporter
-from opentelemetry.sdk.metrics.view import SumAggregation
+from opentelemetry.sdk.metrics.view import Aggregation, SumAggregation
 
 from . import require
 
@@ -19,8 +19,8 @@ def preferences(exporter: MetricExporter) -> tuple[Optional[dict[type, Any]], Op
 
 
 def check() -> None:
-    temporality = {Counter: AggregationTemporality.DELTA}
-    aggregation = {Counter: SumAggregation()}
+    temporality: dict[type, AggregationTemporality] = {Counter: AggregationTemporality.DELTA}
+    aggregation: dict[type, Aggregation] = {Counter: SumAggregation()}
     exporter = ConsoleMetricExporter(preferred_temporality=temporality, preferred_aggregation=aggregation)
     require(
         getattr(exporter, "_preferred_temporality", None) == temporality,

@@ -15,7 +15,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from . import require, require_parameters
 
 # ``object``/None when the exporter lacks them: otel_llm still imports, and check() fails.
-CustomCollector: type = getattr(_exporter, "_CustomCollector", object)
+CustomCollector: type[Any] = getattr(_exporter, "_CustomCollector", object)
 get_or_create_family: Optional[Callable[..., Any]] = getattr(_exporter, "_get_or_create_family", None)
 map_unit: Optional[Callable[[str], str]] = getattr(_mapping, "map_unit", None)
 
@@ -70,6 +70,7 @@ def check() -> None:
         "_CustomCollector._collect_data_points",
     )
     require_parameters(get_or_create_family, ["registry", "family_id", "factory"], "_get_or_create_family")
+    assert get_or_create_family is not None  # required to exist above
     require(
         {"name", "documentation", "labels", "unit"} <= set(inspect.signature(get_or_create_family).parameters),
         "_get_or_create_family takes name, documentation, labels, unit",

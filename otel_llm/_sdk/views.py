@@ -51,6 +51,7 @@ def check() -> None:
             isinstance(storages, Mapping) and reader in storages,
             "MeterProvider._measurement_consumer._reader_storages maps each reader to its storage",
         )
+        assert storages is not None  # required to be a Mapping above
         storage_config = getattr(storages[reader], "_sdk_config", None)
         require(
             dataclasses.is_dataclass(storage_config) and hasattr(storage_config, "views"),
@@ -59,9 +60,9 @@ def check() -> None:
         # The storage reads its Views when an instrument first records.
         set_reader_views(provider, reader, [View(instrument_name="otel_llm.contract", name="otel_llm.renamed")])
         provider.get_meter("otel_llm.contract").create_counter("otel_llm.contract").add(1)
-        names = [
-            m.name for rm in reader.get_metrics_data().resource_metrics for sm in rm.scope_metrics for m in sm.metrics
-        ]
+        data = reader.get_metrics_data()
+        assert data is not None  # the provider is live: its reader collects
+        names = [m.name for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics]
         require(names == ["otel_llm.renamed"], f"a reader's own Views apply to its streams (got {names})")
     finally:
         provider.shutdown()

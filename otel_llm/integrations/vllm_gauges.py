@@ -80,7 +80,7 @@ class SharedRecord:
         try:
             if os.fstat(fd).st_size != size:
                 os.ftruncate(fd, size)  # every process asks for the same size
-            self._map: Optional[mmap.mmap] = mmap.mmap(fd, size)
+            self._map = mmap.mmap(fd, size)
         finally:
             os.close(fd)
         self._seqs = [0] * slots
@@ -125,8 +125,8 @@ class SharedRecord:
 
     def close(self) -> None:
         """Unmap and remove the file (the other processes keep their mappings)."""
-        m, self._map = self._map, None
-        if m is None:
+        m = self._map
+        if m.closed:
             return
         m.close()
         try:
@@ -269,7 +269,7 @@ def _series_values(series: Any, idx: int) -> list[Any]:
     if series is None:
         return []
     engine = str(idx)
-    found = []
+    found: list[Any] = []
     for name in sorted(SCHEDULER_GAUGES & set(series.families)):
         family = series.families[name]
         if not family.recording or "engine" not in family.labelnames:

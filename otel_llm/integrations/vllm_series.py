@@ -206,7 +206,7 @@ class VllmSeries:
 
         series = self
 
-        def family_class(base: type) -> type:
+        def family_class(base: type[_Family]) -> type:
             return type(base.__name__, (base,), {"__init__": lambda s, *a, **k: base.__init__(s, series, *a, **k)})
 
         counter, gauge, histogram = family_class(_Counter), family_class(_Gauge), family_class(_Histogram)

@@ -24,6 +24,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Mapping, Optional, Sequence
 
 LOOPBACK = "127.0.0.1"
@@ -68,7 +69,10 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def server_environment(extra: Mapping[str, str] = ()) -> dict[str, str]:
+_NO_ENV: Mapping[str, str] = MappingProxyType({})
+
+
+def server_environment(extra: Mapping[str, str] = _NO_ENV) -> dict[str, str]:
     """The environment vLLM's CPU build needs, offline, without usage reports."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "VLLM_"))}
     env.update(
@@ -97,7 +101,7 @@ class VllmServer:
     def __init__(
         self,
         model: Path,
-        env: Mapping[str, str] = (),
+        env: Mapping[str, str] = _NO_ENV,
         args: Sequence[str] = (),
         log_path: Optional[Path] = None,
         cli: bool = False,
