@@ -18,6 +18,7 @@ wall clock that spans need.
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any, Mapping, Optional
 
@@ -216,8 +217,13 @@ class AssembledSpans(RequestSpans):
         self.tracer: SdkTracer = tracer
         limits = sdk_tracer.span_limits(tracer)
         self._max_events = limits.max_events
-        self._max_attributes = limits.max_span_attributes
+        self._max_attributes = limits.max_span_attributes  # None: no limit (SpanLimits.UNSET)
         self._max_event_attributes = limits.max_event_attributes
+        # The counts above which an attribute limit could bite: never, where there is none.
+        self._attributes_over = self._max_attributes if self._max_attributes is not None else sys.maxsize
+        self._event_attributes_over = (
+            self._max_event_attributes if self._max_event_attributes is not None else sys.maxsize
+        )
         self._span_value_len = limits.max_span_attribute_length
         self._event_value_len = limits.max_attribute_length
 
@@ -253,7 +259,7 @@ class AssembledSpans(RequestSpans):
         if not sampling.decision.is_recording():
             return _OpenSpan(api, parent, 0, None, None)
         attributes = dict(sampling.attributes or {})
-        if self._span_value_len is not None or len(attributes) + _MAX_LATER_ATTRIBUTES > self._max_attributes:
+        if self._span_value_len is not None or len(attributes) + _MAX_LATER_ATTRIBUTES > self._attributes_over:
             # A limit could bite: the SDK's own bounded mapping, set in the same order as a live span's.
             attributes = BoundedAttributes(
                 self._max_attributes, attributes, immutable=False, max_value_len=self._span_value_len
@@ -263,7 +269,7 @@ class AssembledSpans(RequestSpans):
     def event(self, span: _OpenSpan, name: str, ts: float, attributes: Mapping[str, Any]) -> None:
         if span.events is None:
             return
-        if self._event_value_len is not None or len(attributes) > self._max_event_attributes:
+        if self._event_value_len is not None or len(attributes) > self._event_attributes_over:
             attributes = BoundedAttributes(
                 self._max_event_attributes, attributes, immutable=True, max_value_len=self._event_value_len
             )
