@@ -27,7 +27,7 @@ from otel_llm.aggregation import ExponentialHistogramCell, _ExponentialCellAggre
 from otel_llm.metrics import BY_KEY, METRICS
 from otel_llm.testing import in_memory_telemetry
 from tests.support.backends import rotel_to_sink, wait_until
-from tests.support.otel_helpers import FAST, SDK, assert_same_snapshots, workload
+from tests.support.otel_helpers import FAST, SDK, Paths, assert_same_snapshots, attrs, workload
 from tests.support.sdk_versions import needs_sdk
 
 EXPONENTIAL = "base2_exponential_bucket_histogram"
@@ -50,7 +50,10 @@ def exponential_point(p: Any) -> tuple:
 
 def _sdk_aggregation() -> _ExponentialBucketHistogramAggregation:
     return _ExponentialBucketHistogramAggregation(
-        {}, lambda size: SimpleFixedSizeExemplarReservoir(size=size), DELTA, 0
+        {},
+        lambda size: SimpleFixedSizeExemplarReservoir(size=size),  # type: ignore[arg-type]  # SDK alias says dict; SDK calls builder(size=)
+        DELTA,
+        0,
     )
 
 
@@ -112,7 +115,7 @@ def comparable(r: Any, request_of_trace: dict[int, str]) -> dict:
     return out
 
 
-def run(paths: dict[str, str], naming: str, delta: bool) -> list[dict]:
+def run(paths: Paths, naming: str, delta: bool) -> list[dict]:
     r = in_memory_telemetry(
         TelemetryConfig(model_name="tiny", naming=naming, histogram_aggregation=EXPONENTIAL), **paths, delta=delta
     )
@@ -123,7 +126,7 @@ def run(paths: dict[str, str], naming: str, delta: bool) -> list[dict]:
         r.telemetry.on_events(batch)
         r.telemetry.on_step(steps[i % len(steps)])
         if i % 20 == 19:
-            traces = {s.context.trace_id: s.attributes["gen_ai.request.id"] for s in r.finished_spans()}
+            traces = {s.context.trace_id: attrs(s.attributes)["gen_ai.request.id"] for s in r.finished_spans()}
             snapshots.append(comparable(r, traces))
     return snapshots
 

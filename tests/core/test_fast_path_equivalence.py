@@ -12,7 +12,7 @@ import pytest
 
 from otel_llm import TelemetryConfig
 from otel_llm.testing import in_memory_telemetry
-from tests.support.otel_helpers import FAST, SDK, assert_same_snapshots, workload
+from tests.support.otel_helpers import FAST, SDK, Paths, assert_same_snapshots, attrs, workload
 
 
 def comparable(r, span_ids, delta):
@@ -32,7 +32,7 @@ def comparable(r, span_ids, delta):
     return out
 
 
-def run(paths: dict[str, str], naming: str, delta: bool):
+def run(paths: Paths, naming: str, delta: bool):
     r = in_memory_telemetry(TelemetryConfig(model_name="tiny", naming=naming), **paths, delta=delta)
     batches, steps = workload()
     snapshots = []
@@ -40,7 +40,7 @@ def run(paths: dict[str, str], naming: str, delta: bool):
         r.telemetry.on_events(batch)
         r.telemetry.on_step(steps[i % len(steps)])
         if i % 20 == 19:  # several collections: delta intervals and exemplar resets are exercised
-            span_ids = {s.context.trace_id: s.attributes["gen_ai.request.id"] for s in r.finished_spans()}
+            span_ids = {s.context.trace_id: attrs(s.attributes)["gen_ai.request.id"] for s in r.finished_spans()}
             snapshots.append(comparable(r, span_ids, delta))
     return snapshots
 

@@ -29,6 +29,7 @@ from otel_llm.spans import PREEMPTED_EVENT
 from otel_llm.testing import lifecycle
 from otel_llm.tracker import RequestSummary
 from tests.support.backends import rotel_to_sink, wait_until
+from tests.support.otel_helpers import attrs
 from tests.support.sdk_versions import needs_sdk
 from tests.support.workloads import engine_run
 
@@ -57,7 +58,7 @@ class LogRig:
 
     def finished_spans(self) -> dict[str, Any]:
         self.telemetry.flush()
-        return {s.attributes["gen_ai.request.id"]: s for s in self.spans.get_finished_spans()}
+        return {attrs(s.attributes)["gen_ai.request.id"]: s for s in self.spans.get_finished_spans()}
 
 
 def log_rig(

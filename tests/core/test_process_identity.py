@@ -24,7 +24,9 @@ def _resource_attributes() -> dict:
         extra_metric_readers=[reader],
     )
     try:
-        (rm,) = reader.get_metrics_data().resource_metrics
+        data = reader.get_metrics_data()
+        assert data is not None
+        (rm,) = data.resource_metrics
         return dict(rm.resource.attributes)
     finally:
         handle.shutdown()

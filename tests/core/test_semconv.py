@@ -14,7 +14,7 @@ import pytest
 from otel_llm import TelemetryConfig
 from otel_llm.metrics import BY_KEY, ERROR_TYPE, SEMCONV_VERSION
 from otel_llm.testing import in_memory_telemetry, lifecycle
-from tests.support.otel_helpers import BOTH_PATHS, FAST
+from tests.support.otel_helpers import BOTH_PATHS, FAST, Paths
 
 DURATION = BY_KEY["e2e_request_latency_seconds"].semconv
 # Names the conventions replaced (gen_ai.system -> gen_ai.provider.name, prompt/completion token
@@ -28,7 +28,7 @@ DEPRECATED = {
 }
 
 
-def _run(config: TelemetryConfig, paths: dict[str, str]):
+def _run(config: TelemetryConfig, paths: Paths):
     r = in_memory_telemetry(config, **paths)
     reasons = ["stop", "error", "length", "error", "error", "abort"]
     for i, reason in enumerate(reasons):

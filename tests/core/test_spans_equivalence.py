@@ -22,7 +22,7 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, ParentBased,
 from otel_llm import EngineTelemetry, TelemetryConfig
 from otel_llm.spans import AssembledSpans, RequestSpans
 from otel_llm.testing import lifecycle
-from tests.support.otel_helpers import E, RequestEvent
+from tests.support.otel_helpers import E, RequestEvent, attrs
 
 PARENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 
@@ -85,9 +85,9 @@ def run(assembled: bool, sampler, limits: SpanLimits) -> list[tuple]:
                 None if shutdown else s.end_time,  # ended "now" by shutdown: the two runs differ
                 s.status.status_code,
                 s.status.description,
-                dict(s.attributes),
+                dict(attrs(s.attributes)),
                 s.dropped_attributes,
-                [(e.name, e.timestamp, dict(e.attributes), e.dropped_attributes) for e in s.events],
+                [(e.name, e.timestamp, dict(attrs(e.attributes)), e.dropped_attributes) for e in s.events],
                 s.dropped_events,
                 s.resource,
                 s.instrumentation_scope,

@@ -95,11 +95,11 @@ def test_finished_ids_memory_is_bounded():
     assert len(r.telemetry.tracker.finished) == 10 and not r.telemetry.tracker.inflight
 
 
-def test_bad_step_stats_dropped():
+def test_bad_step_stats_dropped() -> None:
     r = in_memory_telemetry()
     r.telemetry.on_step(StepStats(1.0, num_running=-1))
     r.telemetry.on_step(StepStats(1.0, kv_cache_usage=NAN))
-    r.telemetry.on_step(None)  # type: ignore[arg-type]
+    r.telemetry.on_step(None)  # type: ignore[arg-type]  # garbage on purpose: not StepStats
     assert dropped(r) == {"invalid_value": 3}
 
 

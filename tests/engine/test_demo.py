@@ -15,7 +15,7 @@ import threading
 import urllib.request
 from itertools import accumulate
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, TypedDict
 
 import pytest
 
@@ -43,7 +43,7 @@ def read_until_serving(proc: subprocess.Popen[str]) -> tuple[list[str], str]:
         lines.put(None)
 
     threading.Thread(target=pump, daemon=True).start()
-    seen = []
+    seen: list[str] = []
     while True:
         line = lines.get(timeout=READY_TIMEOUT)
         if line is None:
@@ -54,8 +54,15 @@ def read_until_serving(proc: subprocess.Popen[str]) -> tuple[list[str], str]:
         seen.append(line)
 
 
-def parse_summary(lines: list[str]) -> dict[str, object]:
-    fields = {}
+class Summary(TypedDict):
+    requests: int
+    preemptions: int
+    buckets: list[tuple[str, int]]  # (label, count)
+    worst: list[tuple[str, int, str]]  # (request id, preemptions, trace id)
+
+
+def parse_summary(lines: list[str]) -> Summary:
+    fields: dict[str, int] = {}
     for line in lines:
         m = re.match(r"(requests|preemptions)\s+(\d+)$", line)
         if m:
@@ -66,7 +73,7 @@ def parse_summary(lines: list[str]) -> dict[str, object]:
         for line in lines
         if (m := re.match(r"\s+(req-\d+)\s+(\d+) preemptions\s+trace_id ([0-9a-f]{32})$", line))
     ]
-    return {**fields, "buckets": buckets, "worst": worst}
+    return Summary(requests=fields["requests"], preemptions=fields["preemptions"], buckets=buckets, worst=worst)
 
 
 def parse_scrape(text: str) -> dict[str, float]:

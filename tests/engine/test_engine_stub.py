@@ -14,7 +14,7 @@ import torch
 
 import engine_stub.engine as engine_module
 from engine_stub import STOP_TOKEN_ID, Engine, EngineConfig, RequestOutput
-from engine_stub.model import AttentionGroup, TinyTransformer, paged_attention
+from engine_stub.model import AttentionGroup, Block, TinyTransformer, paged_attention
 from engine_stub.plugins import GROUP, load_plugins
 from engine_stub.request import RequestStatus
 from engine_stub.workload import WorkloadSpec, generate, run_workload
@@ -43,6 +43,12 @@ class Recorder:
         for e in self.events:
             out[e.request_id].append(e)
         return out
+
+
+def batched_tokens(stats: StepStats) -> int:
+    """The step's batched tokens: the stub engine reports them on every step."""
+    assert stats.num_batched_tokens is not None
+    return stats.num_batched_tokens
 
 
 def make_engine(**kwargs: object) -> Engine:
@@ -116,6 +122,7 @@ def dense_greedy(model: TinyTransformer, prompt: list[int], max_tokens: int) -> 
         t = torch.tensor(tokens)
         x = model.embed(t) + model.positional_encoding(torch.arange(len(tokens)))
         for blk in model.blocks:
+            assert isinstance(blk, Block)  # nn.ModuleList yields nn.Module
             n = len(tokens)
             q, k, v = blk.qkv(blk.norm1(x)).view(n, 3, blk.num_heads, blk.head_dim).unbind(1)
             x = x + blk.out(plain_attention(q, k, v, list(range(n))).reshape(n, -1))
@@ -146,14 +153,14 @@ def test_scheduler_invariants_hold_every_step() -> None:
     engine.hooks.subscribe(recorder)
     capacity = engine.config.num_kv_blocks * engine.config.block_size
     pending = generate(WorkloadSpec(num_requests=60, seed=3), capacity)
-    for r in pending:
-        engine.add_request(r.request_id, r.prompt, max_tokens=r.max_tokens, temperature=1.0)
+    for w in pending:
+        engine.add_request(w.request_id, w.prompt, max_tokens=w.max_tokens, temperature=1.0)
     kv, sched = engine.kv_cache, engine.scheduler
     finished = 0
     while engine.has_unfinished_requests():
         finished += len(engine.step())
         stats = recorder.steps[-1]
-        assert stats.num_batched_tokens <= engine.config.max_num_batched_tokens
+        assert batched_tokens(stats) <= engine.config.max_num_batched_tokens
         assert len(sched.running) <= engine.config.max_num_seqs
         held = [b for r in sched.running for b in r.block_table]
         assert len(held) == len(set(held)) == kv.num_blocks - kv.num_free_blocks
@@ -164,7 +171,7 @@ def test_scheduler_invariants_hold_every_step() -> None:
     assert finished == 60
     assert kv.num_free_blocks == kv.num_blocks
     assert max(s.kv_cache_usage for s in recorder.steps) == 1.0
-    assert max(s.num_batched_tokens for s in recorder.steps) == engine.config.max_num_batched_tokens
+    assert max(batched_tokens(s) for s in recorder.steps) == engine.config.max_num_batched_tokens
 
 
 def test_request_that_can_never_fit_is_rejected_at_add_time() -> None:

@@ -62,9 +62,10 @@ def _per_process(sink: Any, name: str, delta: bool) -> dict[str, dict[frozenset,
 
 
 def _ground_truth(stdout: str) -> tuple[int, int]:
-    requests = int(re.search(r"^requests\s+(\d+)", stdout, re.M).group(1))
-    preemptions = int(re.search(r"^preemptions\s+(\d+)", stdout, re.M).group(1))
-    return requests, preemptions
+    requests = re.search(r"^requests\s+(\d+)", stdout, re.M)
+    preemptions = re.search(r"^preemptions\s+(\d+)", stdout, re.M)
+    assert requests and preemptions, stdout
+    return int(requests.group(1)), int(preemptions.group(1))
 
 
 @pytest.mark.parametrize("temporality", ["cumulative", "delta"])

@@ -43,6 +43,7 @@ ALLOWED_KEYS = {
 
 def all_points(reader: InMemoryMetricReader) -> list[tuple[str, object]]:
     data = reader.get_metrics_data()
+    assert data is not None
     return [
         (m.name, p)
         for rm in data.resource_metrics

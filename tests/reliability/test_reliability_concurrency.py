@@ -28,6 +28,7 @@ from opentelemetry.sdk.metrics.export import (
 import otel_llm
 from otel_llm import EngineTelemetry, EventType, RequestEvent, TelemetryConfig
 from otel_llm.hooks import HookBus
+from tests.support.otel_helpers import attrs
 
 E = EventType
 N_REQUESTS = 4000  # per thread
@@ -125,8 +126,8 @@ def torn_points(data: Any) -> list[str]:
     ]
 
 
-def totals(data: Any) -> dict[tuple, tuple]:
-    out = {}
+def totals(data: Any) -> dict[tuple[Any, ...], tuple[Any, ...]]:
+    out: dict[tuple[Any, ...], tuple[Any, ...]] = {}
     for name, p in points(data):
         key = (name, tuple(sorted(p.attributes.items())))
         if isinstance(p, HistogramDataPoint):
@@ -186,7 +187,7 @@ def test_two_publishers_a_collector_and_an_exporter(two_engines, defer_steps):
                 problems.extend(torn_points(data))
                 for name, p in points(data):
                     if isinstance(p, HistogramDataPoint):
-                        key = (name, tuple(sorted(p.attributes.items())))
+                        key = (name, tuple(sorted(attrs(p.attributes).items())))
                         if p.count < last.get(key, 0):
                             problems.append(f"{name}: cumulative count went down {last[key]} -> {p.count}")
                         last[key] = p.count

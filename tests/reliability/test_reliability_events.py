@@ -23,7 +23,7 @@ import math
 import time
 import tracemalloc
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping, TypeVar
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -31,11 +31,12 @@ from hypothesis import strategies as st
 from opentelemetry.sdk.metrics.export import HistogramDataPoint
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from otel_llm import EventType, RequestEvent, TelemetryConfig, request_sink
+from otel_llm import TelemetryConfig, request_sink
 from otel_llm import tracker as t
+from otel_llm.events import EventType, RequestEvent  # the module, so that mypy sees the types (otel_llm is lazy)
 from otel_llm.hooks import HookBus
 from otel_llm.testing import MetricsSnapshot, in_memory_telemetry
-from tests.support.otel_helpers import BOTH_PATHS, FAST
+from tests.support.otel_helpers import BOTH_PATHS, FAST, Paths
 
 E = EventType
 DROPPED = "otel_llm.dropped_events"
@@ -62,7 +63,7 @@ class LogCounter(logging.Handler):
 class Rig:
     """EngineTelemetry on in-memory providers (otel_llm.testing), fed through a real HookBus (as an engine does)."""
 
-    def __init__(self, paths: dict[str, Any], max_inflight: int = 100_000, spans: bool = True) -> None:
+    def __init__(self, paths: Paths, max_inflight: int = 100_000, spans: bool = True) -> None:
         self.otel = in_memory_telemetry(
             TelemetryConfig(model_name="m", max_inflight_requests=max_inflight, spans=spans), **paths
         )
@@ -83,13 +84,13 @@ class Rig:
         self.otel.shutdown()
 
 
-def drops(metrics: dict[str, list[Any]]) -> dict[str, int]:
+def drops(metrics: Mapping[str, list[Any]]) -> dict[str, int]:
     return {p.attributes["reason"]: p.value for p in metrics.get(DROPPED, []) if p.value}
 
 
-def comparable(metrics: dict[str, list[Any]]) -> dict[tuple, tuple]:
+def comparable(metrics: Mapping[str, list[Any]]) -> dict[tuple[Any, ...], tuple[Any, ...]]:
     """Every point except the dropped-events counter, keyed by (name, attributes), times removed."""
-    out = {}
+    out: dict[tuple[Any, ...], tuple[Any, ...]] = {}
     for name, points in metrics.items():
         if name == DROPPED:
             continue
@@ -103,16 +104,27 @@ def comparable(metrics: dict[str, list[Any]]) -> dict[tuple, tuple]:
     return out
 
 
-def span_digest(exporter: InMemorySpanExporter) -> list[tuple]:
+T = TypeVar("T")
+
+
+def present(value: T | None) -> T:
+    """The value, asserted set (a finished span has attributes, a start and an end time)."""
+    assert value is not None
+    return value
+
+
+def span_digest(exporter: InMemorySpanExporter) -> list[tuple[Any, ...]]:
     spans = []
     for s in exporter.get_finished_spans():
+        attributes: Mapping[str, Any] = present(s.attributes)
+        start, end = present(s.start_time), present(s.end_time)
         spans.append(
             (
-                s.attributes["gen_ai.request.id"],
-                tuple(sorted((k, v) for k, v in s.attributes.items())),
+                attributes["gen_ai.request.id"],
+                tuple(sorted((k, v) for k, v in attributes.items())),
                 # Each telemetry converts engine time with its own wall-clock offset: compare relative times.
-                tuple((e.name, tuple(sorted(e.attributes.items())), e.timestamp - s.start_time) for e in s.events),
-                s.end_time - s.start_time,
+                tuple((e.name, tuple(sorted(present(e.attributes).items())), e.timestamp - start) for e in s.events),
+                end - start,
                 s.status.status_code,
             )
         )
@@ -187,10 +199,10 @@ NON_EVENTS = st.sampled_from(
         b"x",
         {"type": "arrived"},
         object(),
-        RequestEvent("bogus", "v0", 1.0),  # type: ignore[arg-type]
-        RequestEvent(None, "v0", 1.0),
+        RequestEvent("bogus", "v0", 1.0),  # type: ignore[arg-type]  # garbage on purpose: not an EventType
+        RequestEvent(None, "v0", 1.0),  # type: ignore[arg-type]  # garbage on purpose: not an EventType
     ]
-)  # type: ignore[arg-type]
+)
 NON_ARRIVED = st.sampled_from([E.QUEUED, E.SCHEDULED, E.PREEMPTED, E.FIRST_TOKEN, E.TOKENS, E.FINISHED])
 
 
@@ -269,6 +281,7 @@ def garbage_for(draw: Any, request: list[RequestEvent]) -> Garbage:
 def free_garbage(draw: Any) -> Garbage:
     """Garbage whose reason does not depend on any request's state."""
     kind = draw(st.sampled_from(["unknown", "non_event", "bad_arrival"]))
+    rid: Any  # a str, or garbage of any type
     if kind == "unknown":
         rid = draw(
             st.one_of(st.text(min_size=0, max_size=20).map(lambda s: "g" + s), st.text(min_size=300, max_size=400))
@@ -278,7 +291,7 @@ def free_garbage(draw: Any) -> Garbage:
         return Garbage("any", draw(NON_EVENTS), t.UNKNOWN_EVENT_TYPE)
     # ARRIVED with a wrong id, timestamp or count: rejected whatever the id
     bad = draw(st.sampled_from(["id_huge", "id_type", "ts", "prompt", "max", "cached"]))
-    rid: Any = "b" + draw(st.text(max_size=8))
+    rid = "b" + draw(st.text(max_size=8))
     kwargs: dict[str, Any] = {"prompt_tokens": 3, "max_tokens": 4}
     ts: Any = 5.0
     if bad == "id_huge":
@@ -436,11 +449,13 @@ def random_event(draw: Any) -> Any:
 @BOTH_PATHS
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(events=st.lists(random_event(), max_size=60), data=st.data())
-def test_random_streams_never_raise_never_tear_and_never_hit_internal_errors(events, data, paths):
+def test_random_streams_never_raise_never_tear_and_never_hit_internal_errors(
+    events: list[RequestEvent], data: st.DataObject, paths: Paths
+) -> None:
     rig = Rig(paths, max_inflight=3)
     try:
         rig.publish(batches_of(data.draw, events))
-        rig.bus.publish_step("not stats")  # type: ignore[arg-type]
+        rig.bus.publish_step("not stats")  # type: ignore[arg-type]  # garbage on purpose: not StepStats
         assert rig.bus.errors == {}
         got = rig.metrics()
         reasons = drops(got)
@@ -542,12 +557,12 @@ def test_a_million_distinct_unknown_ids_and_evictions_stay_bounded():
         rig.close()
 
 
-def test_a_batch_that_is_not_a_list_of_events_is_counted_not_raised():
+def test_a_batch_that_is_not_a_list_of_events_is_counted_not_raised() -> None:
     rig = Rig(FAST)
     try:
         for batch in (None, 42, RequestEvent(E.ARRIVED, "x", 1.0)):
-            rig.telemetry.on_events(batch)  # type: ignore[arg-type]
-        rig.telemetry.on_step(None)  # type: ignore[arg-type]
+            rig.telemetry.on_events(batch)  # type: ignore[arg-type]  # garbage on purpose: not a list of events
+        rig.telemetry.on_step(None)  # type: ignore[arg-type]  # garbage on purpose: not StepStats
         got = drops(rig.metrics())
         assert sum(got.values()) == 4 and set(got) <= set(t.DROP_REASONS), got
     finally:

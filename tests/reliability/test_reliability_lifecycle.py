@@ -17,7 +17,7 @@ import select
 import signal
 import threading
 import urllib.request
-from typing import Any
+from typing import Any, TypedDict
 
 import pytest
 from opentelemetry.sdk.metrics.export import (
@@ -32,9 +32,17 @@ from opentelemetry.trace import StatusCode
 
 from otel_llm import EventType, RequestEvent, TelemetryConfig, setup_telemetry
 from otel_llm.hooks import HookBus
+from tests.support.otel_helpers import attrs
 
 E = EventType
-NO_EXPORTERS = dict(metrics_exporters=("none",), traces_exporters=("none",))
+
+
+class Exporters(TypedDict):
+    metrics_exporters: tuple[str, ...]
+    traces_exporters: tuple[str, ...]
+
+
+NO_EXPORTERS = Exporters(metrics_exporters=("none",), traces_exporters=("none",))
 CHILD_TIMEOUT_S = 120  # a safety bound on a forked child (a few seconds' work): deadlock
 
 
@@ -81,7 +89,7 @@ def lifecycle(rid: str, t: float = 1.0, finish: bool = True) -> list[RequestEven
     return events
 
 
-def test_shutdown_flushes_ends_open_spans_and_is_idempotent(caplog):
+def test_shutdown_flushes_ends_open_spans_and_is_idempotent(caplog: pytest.LogCaptureFixture) -> None:
     spans = InMemorySpanExporter()
     metrics = LastExport()
     handle = setup_telemetry(
@@ -96,12 +104,12 @@ def test_shutdown_flushes_ends_open_spans_and_is_idempotent(caplog):
     assert spans.get_finished_spans() == ()  # batched, nothing exported yet
     handle.shutdown()
 
-    finished = {s.attributes["gen_ai.request.id"]: s for s in spans.get_finished_spans()}
+    finished = {attrs(s.attributes)["gen_ai.request.id"]: s for s in spans.get_finished_spans()}
     assert set(finished) == {"done", "open-1", "open-2"}, "shutdown must flush every span, open ones ended"
     assert finished["done"].status.status_code is StatusCode.UNSET
     for rid in ("open-1", "open-2"):
         assert finished[rid].status.status_code is StatusCode.ERROR
-        assert finished[rid].attributes["llm.request.incomplete"] == "shutdown"
+        assert attrs(finished[rid].attributes)["llm.request.incomplete"] == "shutdown"
     assert values(metrics.data, "vllm:request_success") == {
         (("engine", "0"), ("finished_reason", "stop"), ("model_name", "m")): 1
     }, "final metrics flushed"
@@ -113,7 +121,7 @@ def test_shutdown_flushes_ends_open_spans_and_is_idempotent(caplog):
     handle.telemetry.shutdown()
     for i in range(200):  # the engine keeps running after the plugin shut down
         bus.publish(lifecycle(f"late-{i}"))
-        bus.publish_step(None)  # type: ignore[arg-type]
+        bus.publish_step(None)  # type: ignore[arg-type]  # garbage on purpose: not StepStats
     assert bus.errors == {}
     assert len(spans.get_finished_spans()) == 3 and metrics.exports == exports
     noisy = [r for r in caplog.records if r.levelno >= logging.WARNING]
@@ -141,7 +149,7 @@ def test_in_flight_cap_evicts_the_oldest_request_counted_and_marked():
     assert dropped == {"evicted": 2, "duplicate_finish": 1}
     assert sum(values(reader.get_metrics_data(), "vllm:request_success").values()) == 3
     handle.shutdown()
-    finished = {s.attributes["gen_ai.request.id"]: s for s in spans.get_finished_spans()}
+    finished = {attrs(s.attributes)["gen_ai.request.id"]: s for s in spans.get_finished_spans()}
     assert set(finished) == {f"r{i}" for i in range(5)}
     for rid in ("r0", "r1"):
         assert finished[rid].status.status_code is StatusCode.ERROR

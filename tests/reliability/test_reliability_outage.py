@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader, NumberDataPoint
 
 from engine_stub import Engine, EngineConfig
 from otel_llm import TelemetryConfig, setup_telemetry, tracker
@@ -116,6 +116,7 @@ class RotelOnPort:
         out.close()
 
         def ready() -> bool:
+            assert self.proc is not None
             if self.proc.poll() is not None:
                 raise BackendUnavailable(
                     f"rotel exited {self.proc.returncode}: "
@@ -243,14 +244,18 @@ class Load:
 
 def _dropped(reader: InMemoryMetricReader) -> dict[str, int]:
     data = reader.get_metrics_data()
-    return {
-        p.attributes["reason"]: p.value
-        for rm in data.resource_metrics
-        for sm in rm.scope_metrics
-        for m in sm.metrics
-        if m.name == "otel_llm.dropped_events"
-        for p in m.data.data_points
-    }
+    assert data is not None
+    out: dict[str, int] = {}
+    for rm in data.resource_metrics:
+        for sm in rm.scope_metrics:
+            for m in sm.metrics:
+                if m.name == "otel_llm.dropped_events":
+                    for p in m.data.data_points:
+                        assert isinstance(p, NumberDataPoint) and p.attributes is not None  # a counter's point
+                        reason, value = p.attributes["reason"], p.value
+                        assert isinstance(reason, str) and isinstance(value, int)
+                        out[reason] = value
+    return out
 
 
 def test_collector_outage_does_not_slow_or_block_the_engine_and_losses_are_counted(clean_env):

@@ -177,12 +177,13 @@ class Prometheus:
             raise AssertionError(f"{expr!r} returned {len(result)} series: {result}")
         return float(result[0]["value"][1])
 
-    def wait_for(self, expr: str, predicate: Callable[[list[dict]], bool], timeout: float = 15) -> list[dict]:
+    def wait_for(self, expr: str, predicate: Callable[[list[dict]], object], timeout: float = 15) -> list[dict]:
+        """The query's result once ``predicate`` finds it true (any truthy value)."""
         holder: dict[str, list[dict]] = {}
 
         def check() -> bool:
             holder["r"] = self.query(expr)
-            return predicate(holder["r"])
+            return bool(predicate(holder["r"]))
 
         try:
             wait_until(check, timeout, interval=0.2, what=f"PromQL {expr!r}")
@@ -320,7 +321,10 @@ def rotel_binary() -> str | None:
         import rotel  # noqa: F401 - only to locate the package
     except ImportError:
         return None
-    path = Path(sys.modules["rotel"].__file__).parent / "rotel-agent"
+    module_file = sys.modules["rotel"].__file__
+    if module_file is None:  # a namespace package: no rotel-agent beside it
+        return None
+    path = Path(module_file).parent / "rotel-agent"
     return str(path) if path.exists() and os.access(path, os.X_OK) else None
 
 
@@ -522,7 +526,7 @@ def start_otlp_sink(protocol: str = "grpc", tls: Optional[tuple[Path, Path]] = N
             server.stop(grace=None)
         return
 
-    classes = {
+    classes: dict[str, tuple[type[Any], Callable[[Any, Any], None]]] = {
         "/v1/traces": (ExportTraceServiceRequest, sink.handle_trace),
         "/v1/metrics": (ExportMetricsServiceRequest, sink.handle_metrics),
         "/v1/logs": (ExportLogsServiceRequest, sink.handle_logs),

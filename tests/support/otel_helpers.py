@@ -4,6 +4,7 @@ the equivalence tests' shared workload and comparison, and short names for event
 from __future__ import annotations
 
 import random
+from typing import Any, Mapping, Optional, TypedDict
 
 import pytest
 
@@ -12,11 +13,26 @@ from otel_llm.testing import lifecycle
 
 E = EventType
 
+
+class Paths(TypedDict, total=False):
+    """Keyword arguments of in_memory_telemetry that choose the paths."""
+
+    metric_path: str
+    span_path: str
+
+
 # The telemetry's two paths, which tests run side by side: in-process aggregation with assembled
 # spans, and the straightforward SDK path with Tracer-API spans (in_memory_telemetry(**FAST)).
-FAST: dict[str, str] = {"metric_path": "in_process"}
-SDK: dict[str, str] = {"metric_path": "sdk", "span_path": "tracer"}
+FAST: Paths = {"metric_path": "in_process"}
+SDK: Paths = {"metric_path": "sdk", "span_path": "tracer"}
 BOTH_PATHS = pytest.mark.parametrize("paths", [FAST, SDK], ids=["fast", "sdk"])
+
+
+def attrs(attributes: Optional[Mapping[str, Any]]) -> Mapping[str, Any]:
+    """A span's, event's, point's or log record's attributes: the SDK types them Optional, the
+    telemetry always sets them."""
+    assert attributes is not None
+    return attributes
 
 
 def assert_same_snapshots(fast: list[dict], sdk: list[dict], count: int) -> None:

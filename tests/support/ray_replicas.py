@@ -26,7 +26,9 @@ class Replica:
         from otel_llm import TelemetryConfig
         from otel_llm.integrations.engine_stub import register
 
-        self.actor_id = ray.get_runtime_context().get_actor_id()
+        actor_id = ray.get_runtime_context().get_actor_id()
+        assert actor_id is not None  # set inside an actor
+        self.actor_id = actor_id
         # The replica's identity on its resource: its Ray actor id.
         config = TelemetryConfig(
             model_name="tiny",
@@ -46,13 +48,14 @@ class Replica:
                 load_plugins=False,
             )
         )
-        register(self.engine, config)
+        self.handle = register(self.engine, config)  # also kept as engine.telemetry_handle
 
+    @ray.method  # typed as a remote method: handle.serve.remote(...)
     def serve(self, requests: int) -> tuple[str, int, int]:
         for i in range(requests):
             self.engine.add_request(f"req-{i}", "the quick brown fox " * (1 + i % 5), max_tokens=24 + 8 * (i % 4))
         outputs = self.engine.run()
-        self.engine.telemetry_handle.shutdown()  # flushes: a replica going away loses nothing
+        self.handle.shutdown()  # flushes: a replica going away loses nothing
         return self.actor_id, len(outputs), sum(o.num_preemptions for o in outputs)
 
 
@@ -78,7 +81,7 @@ def main(replicas: int, requests: int) -> None:
                     }
 
             wait_until(lambda: len(instances()) >= replicas, 60, interval=0.1, what="every replica's metrics")
-            seen: dict[str, dict[str, int]] = {}
+            seen: dict[str, dict[str, int | str | None]] = {}  # instance -> its actor id and metric totals
             with sink.lock:
                 exports = list(sink.metrics)
             for export in exports:
