@@ -76,7 +76,7 @@ def _port_open(port: int) -> bool:
 
 def rotel_binary() -> Optional[str]:
     try:
-        import rotel  # noqa: F401
+        import rotel  # noqa: F401 - only to locate the package
     except ImportError:
         return None
     module_file = sys.modules["rotel"].__file__

@@ -143,7 +143,7 @@ def profile_ours(mix: EventMix, top: int = 25, name: str = "ours") -> dict[str, 
     sub.shutdown()
     stats = pstats.Stats(prof)
     rows = []
-    for (file, line, func), (_cc, nc, tt, ct, _callers) in stats.stats.items():  # type: ignore[attr-defined]
+    for (file, line, func), (_cc, nc, tt, ct, _callers) in stats.stats.items():  # type: ignore[attr-defined]  # pstats.Stats.stats is not in the stubs
         rows.append(
             {
                 "function": f"{file.rsplit('/', 2)[-1] if '/' in file else file}:{line}({func})",

@@ -103,11 +103,11 @@ def _inline(telemetry: Any) -> None:
                             handle(event)
                         except (TypeError, AttributeError, ValueError):
                             sink.dropped(t.INVALID_VALUE, event)
-                        except Exception:  # noqa: BLE001
+                        except Exception:  # noqa: BLE001 - never into the engine, as EngineTelemetry
                             sink.internal_error(event)
                 finally:
                     metrics.n_generation += generated
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - never into the engine, as EngineTelemetry
             sink.internal_error(events)
 
     telemetry.on_events = on_events

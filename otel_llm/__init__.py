@@ -7,7 +7,18 @@ OpenTelemetry SDK. The telemetry API is loaded on first attribute access.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the names for type checkers (re-exported); at run time __getattr__ loads them on first use
+    from .config import TelemetryConfig as TelemetryConfig
+    from .events import EventType as EventType
+    from .events import RequestEvent as RequestEvent
+    from .events import StepStats as StepStats
+    from .hooks import HookBus as HookBus
+    from .metric_views import views as views
+    from .providers import TelemetryHandle as TelemetryHandle
+    from .providers import setup_telemetry as setup_telemetry
+    from .telemetry import EngineTelemetry as EngineTelemetry
 
 __version__ = "0.1.0"
 

@@ -199,7 +199,7 @@ class CountingMetricExporter(MetricExporter):
         else:
             try:
                 result = self._exporter.export(metrics_data, timeout_millis=timeout_millis, **kwargs)
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - a failed export is counted, never raised into the SDK's reader
                 _log.warning("otel_llm: metric export raised", exc_info=True)
                 result = MetricExportResult.FAILURE
             self._backoff.result(result is MetricExportResult.SUCCESS)

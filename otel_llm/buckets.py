@@ -16,27 +16,27 @@ REQUEST_NUM_PREEMPTIONS: tuple[float, ...] = (0.5, 1, 2, 3, 4, 5, 10, 20)
 REQUEST_LATENCY: tuple[float, ...] = (
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
     120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
-)  # fmt: skip
+)  # fmt: skip  # rows of boundaries as printed, not one number per line
 TIME_TO_FIRST_TOKEN: tuple[float, ...] = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
     10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
-)  # fmt: skip
+)  # fmt: skip  # rows of boundaries as printed, not one number per line
 INTER_TOKEN_LATENCY: tuple[float, ...] = (
     0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
     20.0, 40.0, 80.0,
-)  # fmt: skip
+)  # fmt: skip  # rows of boundaries as printed, not one number per line
 ITERATION_TOKENS: tuple[float, ...] = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 # OpenTelemetry GenAI semantic conventions' advised boundaries (semconv profile).
 GENAI_REQUEST_DURATION: tuple[float, ...] = (
     0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92,
-)  # fmt: skip
+)  # fmt: skip  # rows of boundaries as printed, not one number per line
 GENAI_TIME_TO_FIRST_TOKEN: tuple[float, ...] = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-)  # fmt: skip
+)  # fmt: skip  # rows of boundaries as printed, not one number per line
 GENAI_TIME_PER_OUTPUT_TOKEN: tuple[float, ...] = (
     0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
-)  # fmt: skip
+)  # fmt: skip  # rows of boundaries as printed, not one number per line
 
 DEFAULT_MAX_MODEL_LEN = 8192
 
@@ -57,7 +57,7 @@ def request_tokens(max_model_len: int) -> tuple[float, ...]:
 def validate_boundaries(setting: str, values: Iterable[object]) -> tuple[float, ...]:
     """Return the boundaries as floats, or raise ValueError naming the setting, value and rule."""
     try:
-        bounds = tuple(float(v) for v in values)  # type: ignore[arg-type]
+        bounds = tuple(float(v) for v in values)  # type: ignore[arg-type]  # any iterable of numbers; the rest is caught below
     except (TypeError, ValueError):
         raise ValueError(f"{setting}: {values!r} is not a sequence of numbers") from None
     if not bounds:

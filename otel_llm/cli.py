@@ -36,7 +36,7 @@ class RequestTraces(SpanProcessor):
         attributes = span.attributes or {}
         request_id = attributes.get("gen_ai.request.id")
         if span.name == "llm_request" and request_id is not None and span.context is not None:
-            count = int(attributes.get("llm.request.num_preemptions", 0))  # type: ignore[arg-type]
+            count = int(attributes.get("llm.request.num_preemptions", 0))  # type: ignore[arg-type]  # an attribute value: the int the telemetry set
             self.by_request[str(request_id)] = (count, format(span.context.trace_id, "032x"))
 
 
@@ -170,7 +170,7 @@ def demo(args: argparse.Namespace) -> int:
 
     if args.plot:
         try:
-            import matplotlib  # noqa: F401
+            import matplotlib  # noqa: F401 - only whether it is installed
         except ImportError:
             print("otel-llm demo: --plot needs matplotlib: pip install 'otel-llm[plot]'", file=sys.stderr)
             return 2

@@ -83,7 +83,7 @@ class _Hub:
         for telemetry in list(self.deferring):
             try:
                 telemetry.apply_pending()
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - never into the SDK's collection
                 _log.warning("otel_llm: applying pending events at collection failed", exc_info=True)
 
     def _counter_callback(self, key: str) -> Callable[[CallbackOptions], Iterator[Observation]]:

@@ -68,7 +68,7 @@ class HookBus:
         for subscriber, handler in self._step_handlers:
             try:
                 handler(stats)
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - a subscriber's failure never reaches the engine
                 self._failed(subscriber)
 
     def _failed(self, subscriber: Any) -> None:

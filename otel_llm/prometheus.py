@@ -108,10 +108,10 @@ class _ExemplarCollector(sdk_prometheus.CustomCollector):
             return
         metric_name = self._resolve_metric_name(metric.name)
         description = metric.description or ""
-        unit = sdk_prometheus.map_unit(metric.unit or "")  # type: ignore[misc]
+        unit = sdk_prometheus.map_unit(metric.unit or "")  # type: ignore[misc]  # set when the prometheus contract holds
         label_keys, label_rows, _ = self._collect_data_points(metric.data, scope_attrs, resource_attrs)
         per_metric_family_id = "|".join((metric_name, description, unit))
-        family = sdk_prometheus.get_or_create_family(  # type: ignore[misc]
+        family = sdk_prometheus.get_or_create_family(  # type: ignore[misc]  # set when the prometheus contract holds
             metric_family_id_metric_family,
             "|".join([per_metric_family_id, HistogramMetricFamily.__name__]),
             HistogramMetricFamily,

@@ -142,7 +142,7 @@ class EngineTelemetry:
         """Apply pending events now (readers and shutdown do it themselves)."""
         try:
             self.apply_pending()
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - never into the engine
             self._sink.internal_error(None)
 
     def on_step(self, stats: StepStats) -> None:
@@ -155,7 +155,7 @@ class EngineTelemetry:
                     self._sink.dropped(t.INVALID_VALUE, stats)
             if valid and self._pending and stats.num_running == 0 and stats.num_waiting == 0:
                 self.apply_pending()  # the engine went idle: nothing left to slow down
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - never into the engine
             self._sink.internal_error(stats)
 
     # -- for adapters whose engine hands over derived stats (vLLM) -----------------------
@@ -180,7 +180,7 @@ class EngineTelemetry:
                 for ordinal, (ts, tokens, reason) in enumerate(summary.preemptions, 1):
                     sink.preemption_event(req, ordinal, ts, tokens, reason)
                 sink.finish(req, summary, None, metrics)
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - never into the engine
             self._sink.internal_error(summary)
 
     def record_iteration(
@@ -203,7 +203,7 @@ class EngineTelemetry:
                 m.tokens(generation_tokens, None, exemplar, EMPTY_CONTEXT)
                 for _ in range(num_preemptions):
                     m.preempted(preemption_reason, 0)
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - never into the engine
             self._sink.internal_error(None)
 
     def count_dropped(self, reason: str, n: int = 1) -> None:
@@ -223,7 +223,7 @@ class EngineTelemetry:
             self._closed = True
             for req in self.tracker.drain():
                 if req.span is not None:
-                    self.spans.abandon(req.span, None, "shutdown")  # type: ignore[union-attr]
+                    self.spans.abandon(req.span, None, "shutdown")  # type: ignore[union-attr]  # a req.span implies self.spans
             self._sink.spans = None
 
 

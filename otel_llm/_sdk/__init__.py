@@ -33,7 +33,7 @@ def require(condition: Any, what: str) -> None:
 def require_parameters(func: Optional[Callable[..., Any]], expected: Sequence[str], what: str) -> None:
     """``func``'s parameters, ``self`` aside, start with ``expected`` (in order)."""
     require(callable(func), f"{what} exists")
-    params = [p for p in inspect.signature(func).parameters if p != "self"]  # type: ignore[arg-type]
+    params = [p for p in inspect.signature(func).parameters if p != "self"]  # type: ignore[arg-type]  # callable() was required just above
     require(
         params[: len(expected)] == list(expected),
         f"{what} takes ({', '.join(expected)}, ...); found ({', '.join(params)})",

@@ -48,7 +48,7 @@ def check() -> None:
     for attribute in ("_scale_factor", "_min_normal_lower_boundary_index", "_max_normal_lower_boundary_index"):
         require(hasattr(_MAPPING, attribute), f"{name}(20).{attribute} exists")
     for value in _PROBES:
-        expected = _MAPPING.map_to_index(value)  # type: ignore[union-attr]
+        expected = _MAPPING.map_to_index(value)  # type: ignore[union-attr]  # hasattr() was required just above
         require(
             index_at_max_scale(value) == expected,
             f"{name}(20).map_to_index({value!r}) == {expected}, as inlined (got {index_at_max_scale(value)})",

@@ -642,7 +642,7 @@ def _guard(method: Callable) -> Callable:
 def _make_logger_class() -> type:
     (base,) = _vllm_bases()
 
-    class OtelStatLogger(base):  # type: ignore[valid-type, misc]
+    class OtelStatLogger(base):  # type: ignore[valid-type, misc]  # a base class found at run time
         """vLLM stat logger that records into OpenTelemetry (see the module docstring).
 
         Built by vLLM's ``StatLoggerManager`` as ``OtelStatLogger(vllm_config=...,

@@ -26,7 +26,7 @@ BAD = {
     "invalid_value": [
         RequestEvent(E.TOKENS, "v1", NAN, num_tokens=1),
         RequestEvent(E.TOKENS, "v1", 2.0, num_tokens=-3),
-        RequestEvent(E.TOKENS, "v1", "soon", num_tokens=1),  # type: ignore[arg-type]
+        RequestEvent(E.TOKENS, "v1", "soon", num_tokens=1),  # type: ignore[arg-type]  # garbage on purpose
         RequestEvent(E.ARRIVED, "x" * 10_000, 1.0),
         RequestEvent(E.ARRIVED, "nan-arrival", NAN),
     ],

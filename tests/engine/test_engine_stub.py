@@ -52,7 +52,7 @@ def batched_tokens(stats: StepStats) -> int:
 
 
 def make_engine(**kwargs: object) -> Engine:
-    return Engine(EngineConfig(load_plugins=False, **kwargs))  # type: ignore[arg-type]
+    return Engine(EngineConfig(load_plugins=False, **kwargs))  # type: ignore[arg-type]  # a test passes EngineConfig's own keywords
 
 
 def tight_engine() -> Engine:
@@ -335,7 +335,7 @@ def test_no_subscriber_builds_no_events(monkeypatch: pytest.MonkeyPatch) -> None
     def counting(*args: object, **kwargs: object) -> RequestEvent:
         nonlocal built
         built += 1
-        return RequestEvent(*args, **kwargs)  # type: ignore[arg-type]
+        return RequestEvent(*args, **kwargs)  # type: ignore[arg-type]  # RequestEvent's own arguments, passed through
 
     monkeypatch.setattr(engine_module, "RequestEvent", counting)
     monkeypatch.setattr(engine_module, "StepStats", counting)
@@ -366,7 +366,7 @@ class _Closable:
 
 
 def _plugin_ok(engine: Engine) -> _Closable:
-    engine.plugin_ran = True  # type: ignore[attr-defined]
+    engine.plugin_ran = True  # type: ignore[attr-defined]  # the plugin marks the engine it ran on
     return _Closable()
 
 
@@ -390,7 +390,7 @@ def test_failing_plugins_are_logged_and_skipped(
     monkeypatch.delenv("ENGINE_STUB_PLUGINS", raising=False)
     engine = Engine(EngineConfig())
     assert engine.plugins == ["ok"]
-    assert engine.plugin_ran  # type: ignore[attr-defined]
+    assert engine.plugin_ran  # type: ignore[attr-defined]  # set by _plugin_ok
     failed = sorted(r.getMessage().split("'")[1] for r in caplog.records if r.levelname == "ERROR")
     assert failed == ["broken", "missing"]
     engine.add_request("r", "still works", max_tokens=3)

@@ -186,7 +186,7 @@ def test_concurrent_scrapes_all_get_data(setup):
         try:
             for _ in range(5):
                 bodies.append(_scrape(endpoint.url)[0])
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:  # noqa: BLE001 - any failure of a scraper thread is reported by the test
             errors.append(exc)
 
     threads = [threading.Thread(target=worker) for _ in range(4)]

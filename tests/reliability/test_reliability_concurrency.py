@@ -192,7 +192,7 @@ def test_two_publishers_a_collector_and_an_exporter(two_engines, defer_steps):
                             problems.append(f"{name}: cumulative count went down {last[key]} -> {p.count}")
                         last[key] = p.count
                 progress.one_more("collections")
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:  # noqa: BLE001 - any failure of a reader thread is reported by the test
             errors.append(exc)
 
     collector = threading.Thread(target=collect, daemon=True)

@@ -178,7 +178,7 @@ def _in_child(body) -> int:
         try:
             signal.alarm(CHILD_TIMEOUT_S)  # a deadlocked child dies instead of hanging
             code = body()
-        except BaseException:  # noqa: BLE001
+        except BaseException:  # noqa: BLE001 - the forked child reports any failure as its exit code
             import traceback
 
             traceback.print_exc()

@@ -24,7 +24,7 @@ os.environ["OTEL_TRACES_EXPORTER"] = "none"
 for _var in ("OTEL_LLM_VLLM_DEEP_HOOK", "OTEL_LLM_MODEL_NAME", "OTEL_LLM_PREEMPTION_BUCKETS", "VLLM_PLUGINS"):
     os.environ.pop(_var, None)
 
-import pytest  # noqa: E402
+import pytest  # noqa: E402 - after the environment is cleaned above
 
 # vLLM's request_num_preemptions boundaries: the parity test configures ours the same.
 VLLM_PREEMPTION_BUCKETS = (1, 2, 3, 4, 5, 10, 20)

@@ -99,7 +99,7 @@ def test_parity_with_vllm_prometheus_logger(otel, vllm_config, monkeypatch, deep
     assert got[("vllm:request_num_preemptions_sum", e0)] == 0 + 0 + 1 + 2 + 7 + 1 + 0
     assert got[("vllm:num_preemptions_total", e0)] == 11
     assert got[("vllm:num_preemptions_total", e1)] == 3
-    le = lambda base, v: frozenset(dict(base, le=float(v)).items())  # noqa: E731
+    le = lambda base, v: frozenset(dict(base, le=float(v)).items())  # noqa: E731 - a one-line key builder
     assert [got[("vllm:request_num_preemptions_bucket", le(e0, b))] for b in (1, 2, 3, 10, float("inf"))] == [
         5,
         6,
@@ -130,7 +130,7 @@ def test_never_preempted_bucket_beyond_vllm(otel, vllm_config):
     theirs = vllm_samples(family)
     model = vllm_config.model_config.served_model_name
     e0 = frozenset({"model_name": model, "engine": "0"}.items())
-    le = lambda v: frozenset(dict(e0, le=float(v)).items())  # noqa: E731
+    le = lambda v: frozenset(dict(e0, le=float(v)).items())  # noqa: E731 - a one-line key builder
     assert got[("vllm:request_num_preemptions_bucket", le(0.5))] == 3  # e0-r0, e0-r0b, e0-r0c
     assert got[("vllm:request_num_preemptions_bucket", le(1))] == 5
     assert theirs[("vllm:request_num_preemptions_bucket", le(1))] == 5  # vLLM: 0 and 1 together
