@@ -81,6 +81,9 @@ def test_a_fleet_of_engine_processes_adds_up_exactly_at_the_collector(clean_env,
             OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
             OTEL_METRIC_EXPORT_INTERVAL="500",
             OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE=temporality,
+            # Eight processes flush at once on two cores: an export acknowledged after the default
+            # 10 s would be sent again (the exporters retry a timed-out export), counted twice.
+            OTEL_EXPORTER_OTLP_TIMEOUT="60",
         )
         procs = [
             subprocess.Popen(
