@@ -51,6 +51,9 @@ SCHEDULER_GAUGES = frozenset(
     }
 )
 CORE_KEYS = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
+# vLLM's "mostrecent" gauges that hold the same value in every API server: the designated one
+# reports them, the others do not (summed over processes, they would count once per server).
+SAME_IN_EVERY_SERVER = ("vllm:cache_config_info",)
 _CORE_POSITION = {key: position for position, key in enumerate(CORE_KEYS)}
 DESIGNATED_RANK = 0
 READ_PATIENCE_S = 0.01  # a record being rewritten is retried this long, then skipped for this read
@@ -242,6 +245,8 @@ def share(vllm_config: Any, series: Any, telemetry: Mapping[int, Any]) -> Option
         return None
     gauges = SchedulerGauges(record, engines)
     gauges.route(telemetry)
+    if not gauges.designated and series is not None:
+        series.withheld.update(SAME_IN_EVERY_SERVER)
     _remove_at_exit(gauges)
     _log.info(
         "otel-llm: API server %d of %d, scheduler gauges shared through %s, reported by API server %d",

@@ -184,6 +184,8 @@ class VllmSeries:
     def __init__(self, vllm_config: Any, engine_indexes: Sequence[int], naming: str = "vllm") -> None:
         self.naming = naming
         self.families: dict[str, _Family] = {}
+        # Families recorded but not exported by this process: another process reports them.
+        self.withheld: set[str] = set()
         self.logger = self._build(vllm_config, list(engine_indexes))
         # The info gauge (cache_config_info) is created when the engine reports it is up, after
         # the providers exist: declared now so that its View exists, exported from vLLM's call on.
@@ -286,8 +288,11 @@ class _Binding:
 
     def _callback(self, name: str) -> Callable[[CallbackOptions], Iterator[Observation]]:
         def callback(_: CallbackOptions) -> Iterator[Observation]:
-            family = self.series.families.get(name) if self.series is not None else None
-            if family is None or not family.recording:
+            series = self.series
+            if series is None:
+                return
+            family = series.families.get(name)
+            if family is None or not family.recording or name in series.withheld:
                 return
             for key, child in list(family.children.items()):
                 if isinstance(child, HistogramCell):
