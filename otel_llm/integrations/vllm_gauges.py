@@ -51,9 +51,11 @@ SCHEDULER_GAUGES = frozenset(
     }
 )
 CORE_KEYS = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
-# vLLM's "mostrecent" gauges that hold the same value in every API server: the designated one
+# vLLM's other "mostrecent" gauges, which every API server sets itself: the designated one
 # reports them, the others do not (summed over processes, they would count once per server).
-SAME_IN_EVERY_SERVER = ("vllm:cache_config_info",)
+# cache_config_info is the same everywhere; engine_sleep_state too, but for a /sleep or
+# /wake_up that another API server handled, which the designated one does not see.
+REPORTED_BY_ONE_SERVER = ("vllm:cache_config_info", "vllm:engine_sleep_state")
 _CORE_POSITION = {key: position for position, key in enumerate(CORE_KEYS)}
 DESIGNATED_RANK = 0
 READ_PATIENCE_S = 0.01  # a record being rewritten is retried this long, then skipped for this read
@@ -246,7 +248,7 @@ def share(vllm_config: Any, series: Any, telemetry: Mapping[int, Any]) -> Option
     gauges = SchedulerGauges(record, engines)
     gauges.route(telemetry)
     if not gauges.designated and series is not None:
-        series.withheld.update(SAME_IN_EVERY_SERVER)
+        series.withheld.update(REPORTED_BY_ONE_SERVER)
     _remove_at_exit(gauges)
     _log.info(
         "otel-llm: API server %d of %d, scheduler gauges shared through %s, reported by API server %d",

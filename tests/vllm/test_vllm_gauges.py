@@ -175,10 +175,10 @@ def test_api_server_0_reports_the_freshest_values_the_others_none(otel, vllm_con
     assert _gauges(first_otel) == _expected(2, 0, 4, 0.125)
     second.record(None, None, 0)  # no SchedulerStats: nothing changes
     assert _gauges(first_otel) == _expected(2, 0, 4, 0.125)
-    # API server 1 reports no scheduler gauge nor the info gauge both servers hold, its other
+    # API server 1 reports no scheduler gauge nor the gauges every server sets itself, its other
     # series as before.
     assert not otel_family_names(second_otel.reader) & GAUGES
-    info = {"vllm:cache_config_info"}
+    info = {"vllm:cache_config_info", "vllm:engine_sleep_state"}
     for impl in (first, second):
         impl.call_series("log_engine_initialized")  # as vLLM does once its engine is up
     assert otel_family_names(first_otel.reader) & info == info

@@ -33,7 +33,7 @@ SCHEDULER_GAUGES = (
     "vllm:kv_cache_usage_perc",
     "vllm:num_requests_waiting_by_reason",
 )
-# Counters and histograms whose sums over processes must equal vLLM's aggregate (sample names).
+# Series whose sums over processes must equal vLLM's aggregate (sample names).
 SUMMED = (
     "vllm:request_success_total",
     "vllm:num_preemptions_total",
@@ -44,6 +44,8 @@ SUMMED = (
     "vllm:request_num_preemptions_sum",
     "vllm:e2e_request_latency_seconds_count",
     "vllm:request_generation_tokens_sum",
+    "vllm:cache_config_info",  # set by every API server itself: exported by one
+    "vllm:engine_sleep_state",
 )
 
 
@@ -222,8 +224,9 @@ def test_totals_over_processes_equal_vllms_aggregated_metrics_per_engine(scaled:
     success = sum(v for (name, _), v in theirs.items() if name == "vllm:request_success_total")
     assert success == LOAD.requests
     assert sum(v for (name, _), v in theirs.items() if name == "vllm:num_preemptions_total") > 0
-    assert {dict(labels)["engine"] for (_, labels) in theirs} == scaled["engines"]
-    assert all(dict(labels)["model_name"] == MODEL_NAME for _, labels in theirs)
+    per_engine = [dict(labels) for (name, labels) in theirs if name != "vllm:cache_config_info"]  # no engine label
+    assert {labels["engine"] for labels in per_engine} == scaled["engines"]
+    assert all(labels["model_name"] == MODEL_NAME for labels in per_engine)
 
 
 def test_one_span_per_request_in_the_callers_trace_whichever_process_served_it(scaled: dict[str, Any]) -> None:
