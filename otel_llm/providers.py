@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
 from opentelemetry import trace
-from opentelemetry._logs import NoOpLoggerProvider
 from opentelemetry.metrics import NoOpMeterProvider
 from opentelemetry.sdk.metrics import (
     AlwaysOffExemplarFilter,
@@ -30,7 +29,7 @@ from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
 
 from . import _sdk, identity, otlp, sdk_env
-from ._sdk.logs import BatchLogRecordProcessor, ConsoleLogRecordExporter, LoggerProvider
+from ._sdk.logs import BatchLogRecordProcessor, ConsoleLogRecordExporter, LoggerProvider, NoOpLoggerProvider
 from .accounting import CountingMetricExporter, ExportAccounting, counting_log_processor, counting_processor
 from .config import DEFAULT_DEFER_STEPS, TelemetryConfig
 from .metric_views import use_reader_views, views

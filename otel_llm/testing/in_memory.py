@@ -165,13 +165,9 @@ def in_memory_telemetry(
 
 
 def _in_memory_logs() -> tuple[Any, Any]:
-    # The SDK's logs live in a private module (opentelemetry.sdk._logs); its in-memory exporter was
-    # InMemoryLogExporter before SDK 1.39.
-    from opentelemetry.sdk._logs import LoggerProvider
-    from opentelemetry.sdk._logs import export as logs_export
+    from otel_llm._sdk.logs import InMemoryLogRecordExporter, LoggerProvider, SimpleLogRecordProcessor
 
-    exporter_class = getattr(logs_export, "InMemoryLogRecordExporter", None) or logs_export.InMemoryLogExporter
-    exporter = exporter_class()
+    exporter = InMemoryLogRecordExporter()
     provider = LoggerProvider()
-    provider.add_log_record_processor(logs_export.SimpleLogRecordProcessor(exporter))
+    provider.add_log_record_processor(SimpleLogRecordProcessor(exporter))
     return provider, exporter
