@@ -68,17 +68,27 @@ def _ground_truth(stdout: str) -> tuple[int, int]:
     return int(requests.group(1)), int(preemptions.group(1))
 
 
+def _fleet_env(rotel: Any, **settings: str) -> dict[str, str]:
+    """The environment of an engine_stub process with the plugin pushing OTLP/gRPC to ``rotel``:
+    none of the caller's OTEL_* variables, then ``settings``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env.update(
+        ENGINE_STUB_PLUGINS="otel",
+        OTEL_METRICS_EXPORTER="otlp",
+        OTEL_TRACES_EXPORTER="otlp",
+        OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{rotel.grpc_port}",
+        OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
+        **settings,
+    )
+    return env
+
+
 @pytest.mark.parametrize("temporality", ["cumulative", "delta"])
 def test_a_fleet_of_engine_processes_adds_up_exactly_at_the_collector(clean_env, temporality):
     delta = temporality == "delta"
     with rotel_to_sink() as (sink, rotel):
-        env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
-        env.update(
-            ENGINE_STUB_PLUGINS="otel",
-            OTEL_METRICS_EXPORTER="otlp",
-            OTEL_TRACES_EXPORTER="otlp",
-            OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{rotel.grpc_port}",
-            OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
+        env = _fleet_env(
+            rotel,
             OTEL_METRIC_EXPORT_INTERVAL="500",
             OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE=temporality,
             # Eight processes flush at once on two cores: an export acknowledged after the default
@@ -156,15 +166,7 @@ def test_a_process_killed_mid_export_leaves_the_survivors_totals_exact(clean_env
     """One of three processes is killed (SIGKILL) after its first exports reached the collector;
     the other two finish: their totals at the receiver are exactly theirs."""
     with rotel_to_sink() as (sink, rotel):
-        env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
-        env.update(
-            ENGINE_STUB_PLUGINS="otel",
-            OTEL_METRICS_EXPORTER="otlp",
-            OTEL_TRACES_EXPORTER="otlp",
-            OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{rotel.grpc_port}",
-            OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
-            OTEL_METRIC_EXPORT_INTERVAL="200",
-        )
+        env = _fleet_env(rotel, OTEL_METRIC_EXPORT_INTERVAL="200")
         victim = subprocess.Popen(
             [sys.executable, "-m", "engine_stub", "--requests", "100000", "--seed", "9"],
             env=env,
