@@ -13,24 +13,30 @@ T = TypeVar("T")
 class TimedHooks:
     """Wraps a subscriber to measure the time spent inside it (on_events + on_step): ``ns`` of wall
     time, ``cpu_ns`` of the calling thread's CPU time (not counting time that other processes or
-    threads take from it)."""
+    threads take from it). Calls of ``slow_s`` seconds or more are kept in ``slow`` as (start,
+    end) perf_counter seconds."""
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: Any, slow_s: float | None = None) -> None:
         self.inner = inner
         self.ns = 0
         self.cpu_ns = 0
+        self.slow_ns = None if slow_s is None else int(slow_s * 1e9)
+        self.slow: list[tuple[float, float]] = []
+
+    def _timed(self, fn: Callable[[Any], None], arg: Any) -> None:
+        t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+        fn(arg)
+        self.cpu_ns += time.thread_time_ns() - c0
+        t1 = time.perf_counter_ns()
+        self.ns += t1 - t0
+        if self.slow_ns is not None and t1 - t0 >= self.slow_ns:
+            self.slow.append((t0 / 1e9, t1 / 1e9))
 
     def on_events(self, events: Any) -> None:
-        t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
-        self.inner.on_events(events)
-        self.cpu_ns += time.thread_time_ns() - c0
-        self.ns += time.perf_counter_ns() - t0
+        self._timed(self.inner.on_events, events)
 
     def on_step(self, stats: Any) -> None:
-        t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
-        self.inner.on_step(stats)
-        self.cpu_ns += time.thread_time_ns() - c0
-        self.ns += time.perf_counter_ns() - t0
+        self._timed(self.inner.on_step, stats)
 
 
 def started_threads(fn: Callable[[], T]) -> tuple[T, list[threading.Thread]]:
