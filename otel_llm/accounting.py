@@ -9,10 +9,11 @@ batch processor's drop hook are wrapped here (SDK internals: otel_llm._sdk.batch
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
@@ -97,14 +98,19 @@ def _count_drops(processor: Any, accounting: ExportAccounting, queue_full: str, 
         batch_processor.count_evictions(processor, lambda n: accounting.drop(queue_full, n))
 
 
-def counting_processor(exporter: SpanExporter, accounting: ExportAccounting) -> BatchSpanProcessor:
-    processor = BatchSpanProcessor(_CountingExporter(exporter, accounting, _SPANS))
+def counting_processor(
+    exporter: SpanExporter, accounting: ExportAccounting, bound_s: Optional[float] = None
+) -> BatchSpanProcessor:
+    """``bound_s``: wait at most that long for an export (:class:`ExportBound`); None: as long as it takes."""
+    processor = BatchSpanProcessor(_CountingExporter(exporter, accounting, _SPANS, bound_s))
     _count_drops(processor, accounting, SPANS_QUEUE_FULL, SPANS_AFTER_SHUTDOWN)
     return processor
 
 
-def counting_log_processor(exporter: LogRecordExporter, accounting: ExportAccounting) -> BatchLogRecordProcessor:
-    processor = BatchLogRecordProcessor(_CountingExporter(exporter, accounting, _LOG_RECORDS))
+def counting_log_processor(
+    exporter: LogRecordExporter, accounting: ExportAccounting, bound_s: Optional[float] = None
+) -> BatchLogRecordProcessor:
+    processor = BatchLogRecordProcessor(_CountingExporter(exporter, accounting, _LOG_RECORDS, bound_s))
     _count_drops(processor, accounting, LOG_RECORDS_QUEUE_FULL, LOG_RECORDS_AFTER_SHUTDOWN)
     return processor
 
@@ -136,6 +142,81 @@ class Backoff:
             self._until = time.monotonic() + self._delay
 
 
+class ExportBound:
+    """Waits at most ``timeout_s`` for an export, which runs on a thread of its own (with the
+    caller's context: the SDK marks its exports there so that instrumented libraries do not trace
+    them). For exporters that retry past their timeout: the OTLP exporters before 1.35 retry an
+    unreachable collector for up to 63 s whatever their timeout.
+
+    An export still running at the deadline counts as failed (should it succeed later, its items
+    arrive although counted lost) and finishes in the background; until it has, the next exports
+    fail at once, and a shutdown of the exporter waits for it there."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._running = False
+        self._then: Optional[Callable[[], None]] = None
+
+    def export(self, attempt: Callable[[], Any], failure: Any) -> Any:
+        with self._lock:
+            if self._running:
+                return failure
+            self._running = True
+        result = [failure]
+        context = contextvars.copy_context()
+
+        def run() -> None:
+            result[0] = context.run(attempt)
+            with self._lock:
+                self._running = False
+                then, self._then = self._then, None
+            if then is not None:
+                try:
+                    then()
+                except Exception:  # noqa: BLE001 - a background thread: nobody to raise to
+                    _log.warning("otel_llm: exporter shutdown failed", exc_info=True)
+
+        thread = threading.Thread(target=run, name="otel_llm export", daemon=True)
+        thread.start()
+        thread.join(self.timeout_s)
+        return failure if thread.is_alive() else result[0]
+
+    def when_idle(self, fn: Callable[[], None]) -> None:
+        """``fn()`` now, or after the export still running in the background."""
+        with self._lock:
+            if self._running:
+                self._then = fn
+                return
+        fn()
+
+
+def _attempt(export: Callable[[], Any], failure: Any, what: str, bound: Optional[ExportBound]) -> Any:
+    """``export()``'s result, or ``failure`` if it raised or (with a bound) did not return in time."""
+
+    def attempt() -> Any:
+        try:
+            return export()
+        except Exception:  # noqa: BLE001 - counted, then as the SDK would: logged, batch lost
+            _log.warning("otel_llm: %s export raised", what, exc_info=True)
+            return failure
+
+    return attempt() if bound is None else bound.export(attempt, failure)
+
+
+def _bound(bound_s: Optional[float]) -> Optional[ExportBound]:
+    return None if bound_s is None else ExportBound(bound_s)
+
+
+def _when_idle(bound: Optional[ExportBound], fn: Callable[[], None]) -> None:
+    """An exporter's shutdown: at once, or once its export still running has ended (it waits for
+    that export itself otherwise, holding up the host's shutdown)."""
+    if bound is None:
+        fn()
+    else:
+        bound.when_idle(fn)
+
+
 class _Kind:
     """What a counting exporter exports: its name in ``delivered``, its failure reason, its results."""
 
@@ -150,11 +231,12 @@ _LOG_RECORDS = _Kind("log_records", LOG_RECORDS_EXPORT_FAILED, LogRecordExportRe
 class _CountingExporter(SpanExporter, LogRecordExporter):
     """A span or log record exporter that counts what it delivers and loses (with Backoff)."""
 
-    def __init__(self, exporter: Any, accounting: ExportAccounting, kind: _Kind) -> None:
+    def __init__(self, exporter: Any, accounting: ExportAccounting, kind: _Kind, bound_s: Optional[float]) -> None:
         self._exporter = exporter
         self._accounting = accounting
         self._kind = kind
         self._backoff = Backoff()
+        self._bound = _bound(bound_s)
 
     def export(self, items: Sequence[Any]) -> Any:
         kind = self._kind
@@ -162,11 +244,7 @@ class _CountingExporter(SpanExporter, LogRecordExporter):
         if self._backoff.closed():
             result = kind.failure
         else:
-            try:
-                result = self._exporter.export(items)
-            except Exception:  # noqa: BLE001 - counted, then as the SDK would: logged, batch lost
-                _log.warning("otel_llm: %s export raised", kind.name, exc_info=True)
-                result = kind.failure
+            result = _attempt(lambda: self._exporter.export(items), kind.failure, kind.name, self._bound)
             self._backoff.result(result is kind.success)
         if result is kind.success:
             self._accounting.delivered(kind.name, len(items))
@@ -175,33 +253,38 @@ class _CountingExporter(SpanExporter, LogRecordExporter):
         return result
 
     def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
-        try:
-            self._exporter.shutdown(timeout_millis=timeout_millis, **kwargs)
-        except TypeError:
-            self._exporter.shutdown()
+        def stop() -> None:
+            try:
+                self._exporter.shutdown(timeout_millis=timeout_millis, **kwargs)
+            except TypeError:
+                self._exporter.shutdown()
+
+        _when_idle(self._bound, stop)
 
     def force_flush(self, timeout_millis: int = 30_000) -> bool:
         return self._exporter.force_flush(timeout_millis)
 
 
 class CountingMetricExporter(MetricExporter):
-    def __init__(self, exporter: MetricExporter, accounting: ExportAccounting) -> None:
+    def __init__(self, exporter: MetricExporter, accounting: ExportAccounting, bound_s: Optional[float] = None) -> None:
         temporality, aggregation = metric_exporter.preferences(exporter)
         super().__init__(preferred_temporality=temporality, preferred_aggregation=aggregation)
         self._exporter = exporter
         self._accounting = accounting
         self._backoff = Backoff()
+        self._bound = _bound(bound_s)
 
     def export(self, metrics_data: Any, timeout_millis: float = 10_000, **kwargs: Any) -> MetricExportResult:
         self._accounting.flush()
         if self._backoff.closed():
             result = MetricExportResult.FAILURE
         else:
-            try:
-                result = self._exporter.export(metrics_data, timeout_millis=timeout_millis, **kwargs)
-            except Exception:  # noqa: BLE001 - a failed export is counted, never raised into the SDK's reader
-                _log.warning("otel_llm: metric export raised", exc_info=True)
-                result = MetricExportResult.FAILURE
+            result = _attempt(
+                lambda: self._exporter.export(metrics_data, timeout_millis=timeout_millis, **kwargs),
+                MetricExportResult.FAILURE,
+                "metric",
+                self._bound,
+            )
             self._backoff.result(result is MetricExportResult.SUCCESS)
         points = sum(
             len(m.data.data_points)
@@ -219,4 +302,4 @@ class CountingMetricExporter(MetricExporter):
         return self._exporter.force_flush(timeout_millis=timeout_millis)
 
     def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
-        self._exporter.shutdown(timeout_millis=timeout_millis, **kwargs)
+        _when_idle(self._bound, lambda: self._exporter.shutdown(timeout_millis=timeout_millis, **kwargs))

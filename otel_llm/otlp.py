@@ -8,11 +8,19 @@ from __future__ import annotations
 
 import importlib
 import os
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Mapping, Optional
 
 from .config import TelemetryConfig
 
 DEFAULT_OTLP_PROTOCOL = "grpc"
+DEFAULT_OTLP_TIMEOUT_S = 10.0
+# The first release whose OTLP exporters end an export, retries included, within their timeout.
+_RETRIES_WITHIN_TIMEOUT = (1, 35)
+_DISTRIBUTIONS = {
+    "grpc": "opentelemetry-exporter-otlp-proto-grpc",
+    "http/protobuf": "opentelemetry-exporter-otlp-proto-http",
+}
 
 
 def protocol(config: TelemetryConfig, env: Mapping[str, str], signal: str) -> str:
@@ -45,6 +53,23 @@ def endpoint(config: TelemetryConfig, env: Mapping[str, str], signal: str, proto
             "are not supported (they would be logged); pass them in OTEL_EXPORTER_OTLP_HEADERS"
         )
     return endpoint
+
+
+def export_bound_s(env: Mapping[str, str], signal: str, protocol: str) -> Optional[float]:
+    """How long to wait for one export of ``signal`` where its exporter may retry for longer
+    (before 1.35: up to 63 s): its timeout (OTEL_EXPORTER_OTLP_[SIGNAL_]TIMEOUT, seconds).
+    None where the exporter keeps to it itself."""
+    try:
+        release = tuple(int(part) for part in version(_DISTRIBUTIONS[protocol]).split(".")[:2])
+    except (PackageNotFoundError, ValueError):
+        release = (0, 0)  # unknown: bound it
+    if release >= _RETRIES_WITHIN_TIMEOUT:
+        return None
+    for var in (f"OTEL_EXPORTER_OTLP_{signal.upper()}_TIMEOUT", "OTEL_EXPORTER_OTLP_TIMEOUT"):
+        raw = env.get(var, "").strip()
+        if raw:
+            return float(raw)  # a number > 0: sdk_env.check() has seen to it
+    return DEFAULT_OTLP_TIMEOUT_S
 
 
 def _http_session() -> Any:

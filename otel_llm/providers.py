@@ -6,7 +6,9 @@ over the host application's OpenTelemetry setup.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import functools
 import logging
 import os
 import threading
@@ -31,6 +33,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExport
 from . import _sdk, identity, otlp, sdk_env
 from ._sdk.logs import BatchLogRecordProcessor, ConsoleLogRecordExporter, LoggerProvider, NoOpLoggerProvider
 from .accounting import CountingMetricExporter, ExportAccounting, counting_log_processor, counting_processor
+from .bounded import run_bounded
 from .config import DEFAULT_DEFER_STEPS, TelemetryConfig
 from .metric_views import use_reader_views, views
 from .telemetry import EngineTelemetry
@@ -42,6 +45,9 @@ _log = logging.getLogger(__name__)
 
 DEFAULT_PROMETHEUS_HOST = "127.0.0.1"
 DEFAULT_PROMETHEUS_PORT = 9464
+# How long a shutdown waits for each stage of export (spans and log records, then metrics): the
+# OTLP exporters' default timeout.
+SHUTDOWN_TIMEOUT_MILLIS = 10_000
 _EXEMPLAR_FILTERS: dict[str, Callable[[], ExemplarFilter]] = {
     "trace_based": TraceBasedExemplarFilter,
     "always_on": AlwaysOnExemplarFilter,
@@ -84,34 +90,42 @@ class TelemetryHandle:
         return telemetry
 
     def force_flush(self, timeout_millis: int = 10_000) -> bool:
+        """Export what is pending; False if an export failed or had not finished within
+        ``timeout_millis`` (spans and log records, then metrics: each get that long)."""
         for telemetry in self.engines:
             telemetry.flush()  # pending events first: their spans and records
-        ok = True
-        for provider in (self.tracer_provider, self.logger_provider, self.meter_provider):
-            if provider is self.meter_provider and self.accounting is not None:
-                self.accounting.flush()  # span losses onto dropped_events before metrics go out
-            flush = getattr(provider, "force_flush", None)
-            if flush is not None:
-                ok = bool(flush(timeout_millis)) and ok
-        return ok
+        return all(self._stages("force_flush", timeout_millis, timeout_millis))
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout_millis: int = SHUTDOWN_TIMEOUT_MILLIS) -> None:
+        """Flush and stop everything; idempotent, and run at interpreter exit if not called.
+        Spans and log records, then metrics, get at most ``timeout_millis`` each: an exporter
+        still retrying then is left to finish in the background, with a warning."""
         if self._closed:
             return
         self._closed = True
+        atexit.unregister(self.shutdown)
         for telemetry in self.engines:
             telemetry.shutdown()
-        for provider in (self.tracer_provider, self.logger_provider, self.meter_provider):
-            if provider is self.meter_provider and self.accounting is not None:
-                self.accounting.flush()
-            stop = getattr(provider, "shutdown", None)
-            if stop is not None:
-                try:
-                    stop()
-                except Exception:  # noqa: BLE001 - a dead collector must not fail the host's shutdown
-                    _log.warning("otel_llm: provider shutdown failed", exc_info=True)
+        self._stages("shutdown", timeout_millis)
         if self.prometheus is not None:
             self.prometheus.shutdown()
+
+    def _stages(self, method: str, timeout_millis: int, *args: Any) -> list[Any]:
+        """``method(*args)`` of the span and log record providers side by side, then of the
+        meter provider, each stage bounded by ``timeout_millis``: the calls' results, False for
+        one still running."""
+        results = []
+        for stage in ((self.tracer_provider, self.logger_provider), (self.meter_provider,)):
+            if self.meter_provider in stage and self.accounting is not None:
+                self.accounting.flush()  # span losses onto dropped_events before metrics go out
+            calls = [
+                (f"{type(p).__name__}.{method}", functools.partial(getattr(p, method), *args))
+                for p in stage
+                if hasattr(p, method)
+            ]
+            done = run_bounded(calls, timeout_millis / 1e3)
+            results += [done.get(name, False) for name, _ in calls]
+        return results
 
 
 def setup_telemetry(
@@ -179,7 +193,7 @@ def setup_telemetry(
     if "otlp" in metrics_exporters:
         exporter = otlp.exporter(config, env, "metrics")
         if _sdk.holds("metric_exporter"):
-            exporter = CountingMetricExporter(exporter, accounting)
+            exporter = CountingMetricExporter(exporter, accounting, _export_bound_s(config, env, "metrics"))
         otlp_reader = PeriodicExportingMetricReader(exporter, export_interval_millis=interval)
         readers.append(otlp_reader)
     if "console" in metrics_exporters:
@@ -195,22 +209,27 @@ def setup_telemetry(
         resource=resource,
         views=views(explicit) + list(extra_views),
         exemplar_filter=_EXEMPLAR_FILTERS[filter_name](),
+        shutdown_on_exit=False,  # the handle's bounded shutdown runs at exit instead
     )
     if config.exponential and otlp_reader is not None:
         use_reader_views(meter_provider, otlp_reader, views(config) + list(extra_views))
-    tracer_provider = TracerProvider(resource=resource)
+    tracer_provider = TracerProvider(resource=resource, shutdown_on_exit=False)
     if "otlp" in traces_exporters:
-        tracer_provider.add_span_processor(counting_processor(otlp.exporter(config, env, "traces"), accounting))
+        tracer_provider.add_span_processor(
+            counting_processor(otlp.exporter(config, env, "traces"), accounting, _export_bound_s(config, env, "traces"))
+        )
     if "console" in traces_exporters:
         tracer_provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
     for processor in extra_span_processors:
         tracer_provider.add_span_processor(processor)
     logger_provider = None
     if config.log_events:
-        logger_provider = LoggerProvider(resource=resource)
+        logger_provider = LoggerProvider(resource=resource, shutdown_on_exit=False)
         if "otlp" in logs_exporters:
             logger_provider.add_log_record_processor(
-                counting_log_processor(otlp.exporter(config, env, "logs"), accounting)
+                counting_log_processor(
+                    otlp.exporter(config, env, "logs"), accounting, _export_bound_s(config, env, "logs")
+                )
             )
         if "console" in logs_exporters:
             logger_provider.add_log_record_processor(BatchLogRecordProcessor(ConsoleLogRecordExporter()))
@@ -231,7 +250,7 @@ def setup_telemetry(
         prometheus.url if prometheus else None,
         config.redacted(),
     )
-    return TelemetryHandle(
+    handle = TelemetryHandle(
         config,
         telemetry,
         meter_provider,
@@ -242,6 +261,12 @@ def setup_telemetry(
         extra_views=tuple(extra_views),
         logger_provider=logger_provider,
     )
+    atexit.register(handle.shutdown)
+    return handle
+
+
+def _export_bound_s(config: TelemetryConfig, env: Mapping[str, str], signal: str) -> Optional[float]:
+    return otlp.export_bound_s(env, signal, otlp.protocol(config, env, signal))
 
 
 def _user_given_instance_id(config: TelemetryConfig, env: Mapping[str, str]) -> bool:

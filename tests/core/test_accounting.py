@@ -1,11 +1,17 @@
-"""accounting.Backoff: while exports fail, later ones fail at once (counted, not sent) until a probe.
+"""accounting.Backoff: while exports fail, later ones fail at once (counted, not sent) until a
+probe; accounting.ExportBound: an export is waited for at most its bound.
 
-The exporter here is a stand-in that fails on demand: a fault (a collector answering errors at
-exactly chosen moments) that a real collector cannot be made to produce deterministically; the
-real collector outage is tests/reliability/test_reliability_outage.py.
+The exporters here are stand-ins that fail or hang on demand: faults (a collector answering
+errors at exactly chosen moments, an export that returns only when told) that a real collector
+cannot be made to produce deterministically; the real collector outage is
+tests/reliability/test_reliability_outage.py, a real hung collector
+tests/reliability/test_reliability_lifecycle.py.
 """
 
 from __future__ import annotations
+
+import contextvars
+import threading
 
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
@@ -117,3 +123,25 @@ def test_spans_dropped_on_a_full_queue_are_counted_once_each_whatever_the_export
     tp.shutdown()
     assert acc.exported == {"spans": 9} == {"spans": len(inner.get_finished_spans())}
     assert acc.dropped == {SPANS_QUEUE_FULL: 4}
+
+
+def test_an_export_past_its_bound_fails_and_the_next_ones_fail_at_once_until_it_ends():
+    bound = accounting.ExportBound(0.2)
+    failure, success = SpanExportResult.FAILURE, SpanExportResult.SUCCESS
+    release, shut = threading.Event(), threading.Event()
+    calls = []
+    caller = contextvars.ContextVar("caller", default="none")
+    caller.set("the batch processor's")
+
+    def hung() -> SpanExportResult:
+        calls.append(caller.get())  # run with the caller's context
+        assert release.wait(60)
+        return success
+
+    assert bound.export(hung, failure) is failure  # still running after 0.2 s: counted failed
+    assert bound.export(lambda: calls.append("second") or success, failure) is failure  # not even tried
+    bound.when_idle(shut.set)  # an exporter's shutdown waits for the export still running
+    assert calls == ["the batch processor's"] and not shut.is_set()
+    release.set()
+    assert shut.wait(60)
+    assert bound.export(lambda: success, failure) is success  # idle again: exports go through

@@ -7,6 +7,8 @@
   thread of the parent held the telemetry's lock at the moment of the fork) or build its own,
   and exits with a status the parent checks.
 * The in-flight cap evicts the oldest request, counted as ``evicted``; its span ends marked.
+* A collector that hangs holds up neither ``handle.shutdown()`` nor the process's exit for
+  longer than the shutdown's bound, whatever the exporters' own timeouts.
 """
 
 from __future__ import annotations
@@ -15,7 +17,10 @@ import logging
 import os
 import select
 import signal
+import subprocess
+import sys
 import threading
+import time
 import urllib.request
 from typing import Any, TypedDict
 
@@ -32,6 +37,7 @@ from opentelemetry.trace import StatusCode
 
 from otel_llm import EventType, RequestEvent, TelemetryConfig, setup_telemetry
 from otel_llm.hooks import HookBus
+from tests.support.backends import backend, silent_collector, start_otlp_sink
 from tests.support.otel_helpers import attrs
 
 E = EventType
@@ -240,3 +246,96 @@ def test_forked_child_keeps_working_telemetry(lock_held_at_fork):
     telemetry.on_events(lifecycle("parent-2"))
     assert sum(values(reader.get_metrics_data(), "vllm:request_success").values()) == 2
     handle.shutdown()
+
+
+# Longer than any bound below, so that no timeout of the SDK's ends the wait in these tests (and
+# a whole number: SDK 1.28 reads it with int()).
+HUNG_EXPORT_TIMEOUT_S = "60"
+
+
+def test_shutdown_with_a_hung_collector_returns_within_its_bound(clean_env, caplog):
+    with silent_collector() as endpoint:
+        clean_env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
+        clean_env.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+        clean_env.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", HUNG_EXPORT_TIMEOUT_S)
+        handle = setup_telemetry(
+            TelemetryConfig(model_name="m", metrics_exporters=("otlp",), traces_exporters=("otlp",))
+        )
+        bus = HookBus()
+        bus.subscribe(handle.telemetry)
+        bus.publish(lifecycle("done"))
+        start = time.monotonic()
+        handle.shutdown(timeout_millis=1000)
+        elapsed = time.monotonic() - start
+    # Two stages (spans, then metrics) of at most 1 s each. Unbounded, the span processor's
+    # shutdown waits for the export's 60 s timeout (SDK 1.45: 30 s; 1.28: then retries for up
+    # to a minute more).
+    assert elapsed < 10, elapsed
+    late = [r.getMessage() for r in caplog.records if "did not finish" in r.getMessage()]
+    assert [m.split(" did not", 1)[0] for m in late] == [
+        "otel_llm: TracerProvider.shutdown",
+        "otel_llm: MeterProvider.shutdown",
+    ], late
+
+
+# A process that publishes a request's events and exits without shutting anything down.
+EXIT_WITHOUT_SHUTDOWN = """
+from otel_llm import EventType, RequestEvent, TelemetryConfig, setup_telemetry
+from otel_llm.hooks import HookBus
+
+handle = setup_telemetry(TelemetryConfig(model_name="m", metrics_exporters=("none",), traces_exporters=("otlp",)))
+bus = HookBus()
+bus.subscribe(handle.telemetry)
+bus.publish([
+    RequestEvent(EventType.ARRIVED, "r", 1.0, prompt_tokens=4, max_tokens=8),
+    RequestEvent(EventType.FINISHED, "r", 2.0, finish_reason="stop"),
+])
+print("exiting", flush=True)
+"""
+
+
+def _exit_without_shutdown(endpoint: str, export_timeout_s: str = "10") -> tuple[float, str]:
+    """Seconds from the child's last line to its exit, and its stderr."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env.update(
+        OTEL_EXPORTER_OTLP_ENDPOINT=endpoint,
+        OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
+        OTEL_EXPORTER_OTLP_TIMEOUT=export_timeout_s,
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", EXIT_WITHOUT_SHUTDOWN],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "exiting\n"
+        start = time.monotonic()
+        _, err = child.communicate(timeout=CHILD_TIMEOUT_S)
+        elapsed = time.monotonic() - start
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+    assert child.returncode == 0, err[-3000:]
+    return elapsed, err
+
+
+def test_exit_without_shutdown_delivers_what_is_pending():
+    with backend("otlp sink"), start_otlp_sink("grpc") as sink:
+        _exit_without_shutdown(sink.endpoint)
+        # The request's span was still among the events kept for the next step: the handle's
+        # shutdown at exit ends and exports it.
+        ids = [a.value.string_value for s in sink.spans() for a in s.attributes if a.key == "gen_ai.request.id"]
+    assert ids == ["r"]
+
+
+def test_exit_with_a_hung_collector_waits_at_most_the_shutdown_bound():
+    from otel_llm.providers import SHUTDOWN_TIMEOUT_MILLIS
+
+    with silent_collector() as endpoint:
+        elapsed, err = _exit_without_shutdown(endpoint, HUNG_EXPORT_TIMEOUT_S)
+    # The handle's shutdown at exit: one stage of export (spans) of at most the bound (10 s).
+    # The SDK's own exit handler would wait 30 s (1.45) or minutes (1.28) for the hung export.
+    assert elapsed < SHUTDOWN_TIMEOUT_MILLIS / 1e3 + 15, (elapsed, err[-3000:])
+    assert "TracerProvider.shutdown did not finish within 10.0 s" in err, err[-3000:]

@@ -89,6 +89,14 @@ def port_open(port: int, host: str = LOOPBACK) -> bool:
         return False
 
 
+@contextlib.contextmanager
+def silent_collector() -> Iterator[str]:
+    """The endpoint of a hung collector: a socket that listens and never reads nor answers (the
+    kernel completes each connection's handshake; the exporter then waits for a reply)."""
+    with socket.create_server((LOOPBACK, 0), backlog=64) as server:
+        yield f"http://{LOOPBACK}:{server.getsockname()[1]}"
+
+
 def _kill(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.terminate()
