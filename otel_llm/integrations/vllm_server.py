@@ -210,11 +210,16 @@ def _get(url: str, timeout: float) -> Optional[str]:
         return None
 
 
-def scrape(url: str, timeout: float = 30.0) -> dict[tuple[str, frozenset], float]:
-    """A /metrics page as ``{(sample name, frozenset(labels)): value}`` (``_created`` left out)."""
+def scrape(url: str, timeout: float = 120.0) -> dict[tuple[str, frozenset], float]:
+    """A /metrics page as ``{(sample name, frozenset(labels)): value}`` (``_created`` left out),
+    asked again until ``timeout`` s have passed: a loaded machine can hold a server back that long."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = _get(url, timeout)
+    deadline = time.monotonic() + timeout
+    text = _get(url, min(30.0, timeout))
+    while text is None and time.monotonic() < deadline:
+        time.sleep(0.5)  # between attempts, not to wait for anything in particular
+        text = _get(url, min(30.0, max(1.0, deadline - time.monotonic())))
     if text is None:
         raise ServerFailed(f"{url} did not answer")
     return {
