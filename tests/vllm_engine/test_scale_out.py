@@ -33,6 +33,8 @@ SCHEDULER_GAUGES = (
     "vllm:kv_cache_usage_perc",
     "vllm:num_requests_waiting_by_reason",
 )
+# A mid-load state has requests both running and waiting.
+GAUGE_STATE = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 # Series whose sums over processes must equal vLLM's aggregate (sample names).
 SUMMED = (
     "vllm:request_success_total",
@@ -120,26 +122,31 @@ def _paused_mid_load(server: VllmServer, sink: Any, attempts: int = 4) -> dict[s
     """The gauges while HELD's requests are frozen mid-flight (vLLM's /pause?mode=keep: no engine
     step, so no new SchedulerStats, until /resume); then the requests finish. A load that is not
     caught mid-flight (it ends before it is seen with requests both running and waiting, on 2
-    shared cores, or vLLM reads none running once paused) is run again, ``attempts`` times at most;
-    then the reason why there is no mid-load state (the other tests of the module still run)."""
+    shared cores, or vLLM reads none running or none waiting once paused) is run again,
+    ``attempts`` times at most; then the reason why there is no mid-load state (the other tests
+    of the module still run)."""
 
     def running_and_waiting() -> bool:
         samples = scrape(server.url + "/metrics")
-        return all(
-            sum(v for (n, _), v in samples.items() if n == name) > 0
-            for name in ("vllm:num_requests_running", "vllm:num_requests_waiting")
-        )
+        return all(sum(v for (n, _), v in samples.items() if n == name) > 0 for name in GAUGE_STATE)
 
+    seen: list[dict[str, float]] = []
     for _ in range(attempts):
-        gauges = _hold_once(server, sink, running_and_waiting)
+        gauges = _hold_once(server, sink, running_and_waiting, seen)
         if gauges is not None:
             return gauges
-    return f"the held requests were not caught mid-flight in {attempts} attempts (a busy machine)"
+    return (
+        f"the held requests were not caught mid-flight in {attempts} attempts (a busy machine); "
+        f"vLLM's gauges once paused: {seen}"
+    )
 
 
-def _hold_once(server: VllmServer, sink: Any, running_and_waiting: Any) -> Optional[dict[str, Any]]:
+def _hold_once(
+    server: VllmServer, sink: Any, running_and_waiting: Any, seen: list[dict[str, float]]
+) -> Optional[dict[str, Any]]:
     """One HELD load: the gauges while it is paused, or None when it ended before it was seen
-    with requests running and waiting, or vLLM's gauges read none running once it was paused."""
+    with requests running and waiting, or vLLM's gauges read none running or none waiting once
+    it was paused (what they read is appended to ``seen``)."""
     completions: list = []
     load = threading.Thread(target=lambda: completions.extend(run_load(server.url, HELD)))
     load.start()
@@ -154,10 +161,10 @@ def _hold_once(server: VllmServer, sink: Any, running_and_waiting: Any) -> Optio
             gauges = _gauges(server, sink)
         finally:
             _post(server.url + "/resume")
-        # vLLM's own gauges sometimes read 0 running once paused (its last stats, not ours): equal,
-        # but not the state this is for; the caller runs the load again.
-        running = sum(v for (n, _), v in gauges["theirs"].items() if n == "vllm:num_requests_running")
-        return gauges if running > 0 else None
+        # vLLM's own gauges sometimes read none running, or none waiting, once paused (its last
+        # stats, not ours): equal, but not the state this is for; the caller runs the load again.
+        seen.append({n: sum(v for (name, _), v in gauges["theirs"].items() if name == n) for n in GAUGE_STATE})
+        return gauges if all(seen[-1].values()) else None
     finally:
         load.join(300)
         assert not load.is_alive()
