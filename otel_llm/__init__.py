@@ -6,8 +6,9 @@ OpenTelemetry SDK. The telemetry API is loaded on first attribute access.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from otel_llm.lazy import lazy_attributes
 
 if TYPE_CHECKING:  # the names for type checkers (re-exported); at run time __getattr__ loads them on first use
     from .config import TelemetryConfig as TelemetryConfig
@@ -36,15 +37,4 @@ _LAZY = {
 
 __all__ = sorted(_LAZY)
 
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'otel_llm' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(list(globals()) + __all__)
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())

@@ -10,8 +10,9 @@ must not pull in the OpenTelemetry SDK there. A name is loaded on first access.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from otel_llm.lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from otel_llm.testing.in_memory import InMemoryTelemetry, in_memory_telemetry
@@ -52,15 +53,4 @@ __all__ = [
     "spans_by_request",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'otel_llm.testing' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(list(globals()) + __all__)
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())
