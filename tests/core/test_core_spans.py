@@ -6,7 +6,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from otel_llm import TelemetryConfig
 from otel_llm.testing import in_memory_telemetry, lifecycle
-from tests.support.otel_helpers import E, RequestEvent
+from tests.support.otel_helpers import E, RequestEvent, attrs
 
 COUNTS = (0, 0, 1, 2, 2, 3, 7, 25)
 
@@ -126,5 +126,5 @@ def test_shutdown_ends_open_spans_once():
     r.telemetry.shutdown()
     r.telemetry.shutdown()
     (span,) = r.finished_spans()
-    assert span.attributes["llm.request.incomplete"] == "shutdown"
+    assert attrs(span.attributes)["llm.request.incomplete"] == "shutdown"
     assert span.status.status_code is StatusCode.ERROR

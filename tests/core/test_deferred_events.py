@@ -6,7 +6,7 @@ from __future__ import annotations
 from otel_llm import StepStats, TelemetryConfig, setup_telemetry
 from otel_llm.config import DEFAULT_DEFER_STEPS
 from otel_llm.testing import in_memory_telemetry, lifecycle
-from tests.support.otel_helpers import E, RequestEvent
+from tests.support.otel_helpers import E, RequestEvent, attrs
 
 BUSY = StepStats(1.0, num_running=3, num_waiting=1)
 IDLE = StepStats(2.0, num_running=0, num_waiting=0)
@@ -48,7 +48,7 @@ def test_an_idle_engine_step_applies_pending_batches():
     assert len(r.telemetry._pending) == 1
     r.telemetry.on_step(IDLE)
     assert len(r.telemetry._pending) == 0
-    assert [s.attributes["gen_ai.request.id"] for s in r.span_exporter.get_finished_spans()] == ["a"]
+    assert [attrs(s.attributes)["gen_ai.request.id"] for s in r.span_exporter.get_finished_spans()] == ["a"]
 
 
 def test_shutdown_applies_pending_batches_before_ending_open_spans():
@@ -56,10 +56,10 @@ def test_shutdown_applies_pending_batches_before_ending_open_spans():
     r.telemetry.on_events(lifecycle("done", 10.0))
     r.telemetry.on_events([RequestEvent(E.ARRIVED, "open", 11.0, prompt_tokens=3)])
     r.telemetry.shutdown()
-    spans = {s.attributes["gen_ai.request.id"]: s for s in r.span_exporter.get_finished_spans()}
+    spans = {attrs(s.attributes)["gen_ai.request.id"]: s for s in r.span_exporter.get_finished_spans()}
     assert set(spans) == {"done", "open"}
-    assert "llm.request.incomplete" not in spans["done"].attributes
-    assert spans["open"].attributes["llm.request.incomplete"] == "shutdown"
+    assert "llm.request.incomplete" not in attrs(spans["done"].attributes)
+    assert attrs(spans["open"].attributes)["llm.request.incomplete"] == "shutdown"
 
 
 def test_the_engine_may_reuse_its_event_list():
@@ -84,4 +84,4 @@ def test_setup_telemetry_defers_a_hand_built_telemetry_applies_at_once():
     r = in_memory_telemetry(TelemetryConfig(model_name="tiny"))  # as the README's API example builds it
     r.telemetry.on_events(lifecycle("a", 10.0))
     assert len(r.telemetry._pending) == 0
-    assert [s.attributes["gen_ai.request.id"] for s in r.span_exporter.get_finished_spans()] == ["a"]
+    assert [attrs(s.attributes)["gen_ai.request.id"] for s in r.span_exporter.get_finished_spans()] == ["a"]

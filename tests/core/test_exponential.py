@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 import urllib.request
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from opentelemetry.context import Context
@@ -21,6 +21,8 @@ from opentelemetry.sdk.metrics._internal.aggregation import (
     _ExponentialBucketHistogramAggregation,
 )
 from opentelemetry.sdk.metrics._internal.exemplar import SimpleFixedSizeExemplarReservoir
+from opentelemetry.sdk.metrics._internal.measurement import Measurement
+from opentelemetry.sdk.metrics.export import ExponentialHistogramDataPoint
 
 from otel_llm import TelemetryConfig, setup_telemetry
 from otel_llm.aggregation import ExponentialHistogramCell, _ExponentialCellAggregation
@@ -85,7 +87,9 @@ def test_cell_buckets_equal_the_sdk_exponential_aggregation(seed, temporality):
         values = [0.0] * n if interval == 2 else _values(rnd, n)
         for v in values:
             cell.observe(v)
-            sdk.aggregate(SimpleNamespace(value=v, time_unix_nano=now, attributes={}, context=Context()), False)
+            # A stand-in for a Measurement: the fields the aggregation reads, without an instrument.
+            measurement = SimpleNamespace(value=v, time_unix_nano=now, attributes={}, context=Context())
+            sdk.aggregate(cast(Measurement, measurement), False)
         now += 1
         expected, got = sdk.collect(temporality, now), ours.collect(temporality, now)
         if temporality is DELTA:
@@ -93,6 +97,7 @@ def test_cell_buckets_equal_the_sdk_exponential_aggregation(seed, temporality):
         if expected is None:
             assert got is None
             continue
+        assert got is not None and isinstance(expected, ExponentialHistogramDataPoint)
         assert exponential_point(got) == exponential_point(expected), (seed, interval)
         # delta sums are differences of running totals: rounding of the largest values seen
         assert got.sum == pytest.approx(expected.sum, rel=1e-9, abs=1e-12 * cell.total + 1e-9)

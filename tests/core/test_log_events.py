@@ -163,6 +163,7 @@ def test_record_finished_emits_the_known_preemptions_as_log_records():
     (span,) = r.finished_spans().values()
     records = r.records()
     assert [x.attributes["llm.preemption.ordinal"] for x in records] == [1, 2, 3]
+    assert r.telemetry.spans is not None
     assert [x.timestamp for x in records] == [r.telemetry.spans.wall_ns(t) for t in times]
     assert {x.trace_id for x in records} == {0x4BF92F3577B34DA6A3CE929D0E0E4736} == {span.context.trace_id}
     assert {x.span_id for x in records} == {span.context.span_id}
@@ -198,7 +199,8 @@ def test_setup_builds_a_logger_provider_only_for_log_events(clean_env):
     try:
         assert isinstance(handle.logger_provider, LoggerProvider)
         other = handle.new_telemetry(engine="1")
-        assert other.log_events is not None and other.log_events.logger is handle.telemetry.log_events.logger
+        assert other.log_events is not None and handle.telemetry.log_events is not None
+        assert other.log_events.logger is handle.telemetry.log_events.logger
     finally:
         handle.shutdown()
 
@@ -232,6 +234,7 @@ def test_log_records_lost_on_the_way_out_are_bounded_and_counted(clean_env):
         assert len(processor._batch_processor._queue) <= 8
     finally:
         handle.shutdown()
+    assert handle.accounting is not None
     lost = handle.accounting.dropped
     assert lost.get(LOG_RECORDS_QUEUE_FULL, 0) >= 50 - 8 - 4  # at most a queue and a batch in flight got out
     assert (

@@ -83,6 +83,7 @@ def test_a_user_given_id_already_used_by_another_live_process_on_the_host_is_rep
     holder = subprocess.Popen(
         [sys.executable, "-c", code, instance], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
+    assert holder.stdin is not None and holder.stdout is not None  # both piped
     try:
         assert holder.stdout.readline().strip() == instance  # the holder has set up its telemetry
         clean_env.setenv("OTEL_RESOURCE_ATTRIBUTES", f"service.instance.id={instance}")

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import logging
+from typing import cast
 
 import pytest
 
 from otel_llm import StepStats, TelemetryConfig
 from otel_llm.testing import in_memory_telemetry, lifecycle
-from tests.support.otel_helpers import E, RequestEvent
+from tests.support.otel_helpers import E, RequestEvent, attrs
 
 NAN = float("nan")
 
@@ -17,7 +18,7 @@ def dropped(r):
     return {p.attributes["reason"]: p.value for p in r.metrics().get("otel_llm.dropped_events", []) if p.value}
 
 
-BAD = {
+BAD: dict[str, list[RequestEvent]] = {
     "unknown_request": [RequestEvent(E.TOKENS, "ghost", 1.0, num_tokens=1)],
     "duplicate_arrival": [RequestEvent(E.ARRIVED, "v0", 1.0)],
     "duplicate_finish": [RequestEvent(E.FINISHED, "done", 99.0, finish_reason="stop")],
@@ -31,7 +32,7 @@ BAD = {
         RequestEvent(E.ARRIVED, "nan-arrival", NAN),
     ],
     "invalid_transition": [RequestEvent(E.PREEMPTED, "v2", 2.0, reason="kv_cache_full")],  # v2 is waiting
-    "unknown_event_type": ["not an event", None],
+    "unknown_event_type": cast("list[RequestEvent]", ["not an event", None]),  # not events, on purpose
 }
 
 
@@ -82,7 +83,7 @@ def test_inflight_cap_evicts_oldest_and_counts():
     r.telemetry.on_events([RequestEvent(E.ARRIVED, f"r{i}", float(i)) for i in range(5)])
     assert dropped(r) == {"evicted": 2}
     assert list(r.telemetry.tracker.inflight) == ["r2", "r3", "r4"]
-    evicted = {s.attributes["gen_ai.request.id"] for s in r.finished_spans()}
+    evicted = {attrs(s.attributes)["gen_ai.request.id"] for s in r.finished_spans()}
     assert evicted == {"r0", "r1"}
     r.telemetry.on_events([RequestEvent(E.TOKENS, "r0", 9.0, num_tokens=1)])
     assert dropped(r)["after_finish"] == 1

@@ -209,6 +209,13 @@ def _debug_blocks(text: str, marker: str) -> list[str]:
     return [p for p in parts if p.startswith(marker)]
 
 
+def _group(pattern: str, text: str) -> str:
+    """The first group of ``pattern``'s first match in ``text``, which must match."""
+    match = re.search(pattern, text)
+    assert match is not None, (pattern, text)
+    return match.group(1)
+
+
 def test_rotel_to_rotel_debug_log(otlp_env):
     """The other second hop: rotel forwards over OTLP/HTTP (gzip) to a second rotel whose
     detailed debug log shows what arrived; the same facts read from its text."""
@@ -255,14 +262,14 @@ def test_rotel_to_rotel_debug_log(otlp_env):
     metric = next(b for b in _debug_blocks(text, "Metric #") if f"-> Name: {HIST}\n" in b)
     assert [float(x) for x in re.findall(r"ExplicitBounds #\d+: (\S+)", metric)] == BOUNDS
     assert [int(x) for x in re.findall(r"Buckets #\d+, Count: (\d+)", metric)] == _bucket_counts(list(truth.values()))
-    assert re.search(r"(?m)^Count: (\d+)$", metric).group(1) == str(len(truth))
+    assert _group(r"(?m)^Count: (\d+)$", metric) == str(len(truth))
 
     span_traces = {}
     for block in _debug_blocks(text, "Span #"):
         if "Name           : llm_request" not in block:
             continue
-        rid = re.search(r"gen_ai\.request\.id: Str\((.*?)\)", block).group(1)
-        k = int(re.search(r"llm\.request\.num_preemptions: Int\((\d+)\)", block).group(1))
+        rid = _group(r"gen_ai\.request\.id: Str\((.*?)\)", block)
+        k = int(_group(r"llm\.request\.num_preemptions: Int\((\d+)\)", block))
         assert k == truth[rid]
         ordinals = [
             int(x)
@@ -271,7 +278,7 @@ def test_rotel_to_rotel_debug_log(otlp_env):
             )
         ]
         assert ordinals == list(range(1, k + 1)), (rid, block)
-        span_traces[re.search(r"Trace ID\s+: ([0-9a-f]{32})", block).group(1)] = rid
+        span_traces[_group(r"Trace ID\s+: ([0-9a-f]{32})", block)] = rid
     assert set(span_traces.values()) == set(truth)
     exemplar_traces = re.findall(r"-> Trace ID: ([0-9a-f]{32})", metric)
     assert exemplar_traces and set(exemplar_traces) <= set(span_traces)

@@ -214,6 +214,7 @@ def test_port_zero_binds_loopback_only():
     try:
         assert endpoint.port > 0
         assert endpoint.url == f"http://127.0.0.1:{endpoint.port}/metrics"
+        assert endpoint._server is not None
         assert endpoint._server.server_address[0] == "127.0.0.1"
     finally:
         endpoint.shutdown()

@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
@@ -41,7 +43,8 @@ ALLOWED_KEYS = {
 }
 
 
-def all_points(reader: InMemoryMetricReader) -> list[tuple[str, object]]:
+def all_points(reader: InMemoryMetricReader) -> list[tuple[str, Any]]:
+    """(metric name, point) of every point, of any kind: each test reads the fields its metrics' kind has."""
     data = reader.get_metrics_data()
     assert data is not None
     return [

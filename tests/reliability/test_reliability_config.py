@@ -15,12 +15,12 @@ import socket
 
 import pytest
 from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.metrics.export import HistogramDataPoint, InMemoryMetricReader, NumberDataPoint
 
 import otel_llm
 from otel_llm import EngineTelemetry, EventType, RequestEvent, TelemetryConfig, sdk_env, setup_telemetry
 from otel_llm.config import ENV_VARIABLES
-from tests.support.otel_helpers import BOTH_PATHS
+from tests.support.otel_helpers import BOTH_PATHS, attrs
 
 E = EventType
 RULE_WORDS = ("must", "not", "empty", "duplicated", "sorted", "positive", "finite", "is not one of")
@@ -323,6 +323,7 @@ def test_an_accepted_config_never_fails_on_record(bounds, paths, caplog):
         ]
         telemetry.on_events(events)
     data = reader.get_metrics_data()
+    assert data is not None
     points = [
         p
         for rm in data.resource_metrics
@@ -331,15 +332,19 @@ def test_an_accepted_config_never_fails_on_record(bounds, paths, caplog):
         if m.name == "vllm:request_num_preemptions"
         for p in m.data.data_points
     ]
-    assert len(points) == 1 and points[0].count == 4 and tuple(points[0].explicit_bounds) == tuple(bounds)
-    assert not any(
-        p.attributes.get("reason") and p.value
+    assert len(points) == 1 and isinstance(points[0], HistogramDataPoint)
+    assert points[0].count == 4 and tuple(points[0].explicit_bounds) == tuple(bounds)
+    dropped = [
+        p
         for rm in data.resource_metrics
         for sm in rm.scope_metrics
         for m in sm.metrics
         if m.name == "otel_llm.dropped_events"
         for p in m.data.data_points
-    )
+    ]
+    for p in dropped:
+        assert isinstance(p, NumberDataPoint)  # a counter's
+        assert not (attrs(p.attributes).get("reason") and p.value)
     assert not [
         r
         for r in caplog.records

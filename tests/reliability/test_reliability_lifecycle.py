@@ -159,7 +159,7 @@ def test_in_flight_cap_evicts_the_oldest_request_counted_and_marked():
     assert set(finished) == {f"r{i}" for i in range(5)}
     for rid in ("r0", "r1"):
         assert finished[rid].status.status_code is StatusCode.ERROR
-        assert finished[rid].attributes["llm.request.incomplete"] == "evicted"
+        assert attrs(finished[rid].attributes)["llm.request.incomplete"] == "evicted"
 
 
 def _wait_child(pid: int, timeout: float) -> int:

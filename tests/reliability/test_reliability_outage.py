@@ -320,6 +320,7 @@ def test_collector_outage_does_not_slow_or_block_the_engine_and_losses_are_count
         handle, threads = started_threads(
             lambda: setup_telemetry(TelemetryConfig(model_name="tiny"), extra_metric_readers=[reader])
         )
+        assert handle.accounting is not None
         engine = Engine(
             EngineConfig(
                 num_kv_blocks=128,
@@ -348,6 +349,7 @@ def test_collector_outage_does_not_slow_or_block_the_engine_and_losses_are_count
             queue_max = max(queue_max, len(queue))
 
         def both_exports_failed() -> bool:
+            assert handle.accounting is not None  # the narrowing above does not reach a nested function
             dropped = handle.accounting.dropped
             return (
                 dropped.get(tracker.SPANS_EXPORT_FAILED, 0) > 0

@@ -36,6 +36,7 @@ import otel_llm
 from otel_llm import EngineTelemetry, EventType, RequestEvent, TelemetryConfig, setup_telemetry
 from otel_llm.tracker import METRIC_POINTS_EXPORT_FAILED, SPANS_EXPORT_FAILED
 from tests.support.backends import backend, start_otlp_sink
+from tests.support.otel_helpers import attrs
 
 E = EventType
 SECRET = "s3cr3t-T0KEN-value"
@@ -207,6 +208,7 @@ def test_otlp_over_tls_with_the_certificate_variable(clean_env, tls_receiver, se
     assert handle.force_flush(10_000)
     handle.shutdown()
     assert {"/v1/metrics", "/v1/traces"} <= tls_receiver.paths()
+    assert handle.accounting is not None
     assert handle.accounting.dropped == {} and handle.accounting.exported.get("spans") == 1
 
 
@@ -222,6 +224,7 @@ def test_otlp_grpc_over_tls_with_the_certificate_variable(clean_env, self_signed
         spans = sink.spans()
         assert [a.value.string_value for s in spans for a in s.attributes if a.key == "gen_ai.request.id"] == ["r1"]
         assert "vllm:request_num_preemptions" in sink.metric_names()
+        assert handle.accounting is not None
         assert handle.accounting.dropped == {} and handle.accounting.exported.get("spans") == 1
 
 
@@ -233,6 +236,7 @@ def test_otlp_grpc_over_tls_without_the_ca_fails_counted_not_raised(clean_env, s
         handle.force_flush(10_000)  # the handshake fails: logged by the SDK, counted by us, never raised
         handle.shutdown()
         assert sink.spans() == []
+        assert handle.accounting is not None
         assert handle.accounting.dropped.get(SPANS_EXPORT_FAILED) == 1
 
 
@@ -245,6 +249,7 @@ def test_otlp_over_tls_without_the_ca_fails_counted_not_raised(clean_env, tls_re
     handle.force_flush(10_000)  # fails verification: logged by the SDK, counted by us, never raised
     handle.shutdown()
     assert tls_receiver.paths() == set()
+    assert handle.accounting is not None
     assert handle.accounting.dropped.get(SPANS_EXPORT_FAILED) == 1
     assert handle.accounting.dropped.get(METRIC_POINTS_EXPORT_FAILED, 0) > 0
     assert SECRET not in caplog.text
@@ -271,22 +276,25 @@ def test_no_prompt_or_output_text_unless_asked_then_truncated(caplog):
     one_request(telemetry, prompt=prompt, output=output)
     telemetry.on_events([RequestEvent(E.ARRIVED, "bad", float("nan"), prompt_text=prompt)])  # dropped, logged
     (span,) = spans.get_finished_spans()
-    texts = [str(v) for v in span.attributes.values()] + [str(v) for e in span.events for v in e.attributes.values()]
+    texts = [str(v) for v in attrs(span.attributes).values()]
+    texts += [str(v) for e in span.events for v in attrs(e.attributes).values()]
     assert not any("PROMPT-" in t or "OUTPUT-" in t for t in texts)
     data = reader.get_metrics_data()
+    assert data is not None
     assert not any(
         "PROMPT-" in str(v) or "OUTPUT-" in str(v)
         for rm in data.resource_metrics
         for sm in rm.scope_metrics
         for m in sm.metrics
         for p in m.data.data_points
-        for v in p.attributes.values()
+        for v in attrs(p.attributes).values()
     )
     assert "PROMPT-" not in caplog.text and "OUTPUT-" not in caplog.text
 
     telemetry, spans, _ = _span_rig(TelemetryConfig(model_name="m", record_content=True, content_max_length=12))
     one_request(telemetry, prompt=prompt, output=output)
     (span,) = spans.get_finished_spans()
+    assert span.attributes is not None
     assert span.attributes["gen_ai.prompt"] == prompt[:12]
     assert span.attributes["gen_ai.completion"] == output[:12]
 
@@ -323,6 +331,7 @@ def test_secrets_never_appear_in_logs_during_setup_and_failing_exports(clean_env
     one_request(handle.telemetry)
     handle.force_flush(5_000)
     handle.shutdown()
+    assert handle.accounting is not None
     assert sum(handle.accounting.dropped.values()) > 0, "the exports were expected to fail"
     assert any("otel_llm telemetry" in r.getMessage() for r in caplog.records), "setup logs its settings"
     leaked = [
