@@ -8,7 +8,8 @@ import time
 
 import pytest
 from samples import otel_samples
-from vllm_stream import build, default_specs, run
+
+from otel_llm.integrations.vllm_stream import build, default_specs, run
 
 
 def _manager(vllm_config, engine_idxs=(0,)):

@@ -9,7 +9,8 @@ import time
 import pytest
 from conftest import VLLM_PREEMPTION_BUCKETS
 from samples import otel_family_names, otel_samples, vllm_samples
-from vllm_stream import build, default_specs, run
+
+from otel_llm.integrations.vllm_stream import build, default_specs, run
 
 # The vLLM metrics otel-llm's core telemetry reproduces (vllm naming profile); vLLM's logger
 # code records the others (otel_llm.integrations.vllm_series).
@@ -143,7 +144,7 @@ def test_an_iteration_without_tokens_is_observed_as_zero(otel, vllm_config):
     """vLLM observes ``iteration_tokens_total`` for every iteration that has outputs, also one
     that computed no token (an error finish with no new token is the only output of the step):
     a StepStats with ``num_batched_tokens=0`` is observed too, so every sample stays equal."""
-    from vllm_stream import Spec
+    from otel_llm.integrations.vllm_stream import Spec
 
     o = otel(preemption_buckets=VLLM_PREEMPTION_BUCKETS)
     manager, _ = _manager(vllm_config)

@@ -9,7 +9,8 @@ import sys
 import time
 
 from samples import otel_samples
-from vllm_stream import build, default_specs, run
+
+from otel_llm.integrations.vllm_stream import build, default_specs, run
 
 
 def test_entry_point_found_by_vllm_loader():

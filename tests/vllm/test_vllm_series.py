@@ -12,7 +12,8 @@ import urllib.request
 
 import pytest
 from samples import vllm_samples
-from vllm_stream import build, default_specs, run
+
+from otel_llm.integrations.vllm_stream import build, default_specs, run
 
 TTFT_BUCKETS = [0.1, 1.0, 10.0]
 PREEMPTION_BUCKETS = [1.0, 2.0, 5.0]
