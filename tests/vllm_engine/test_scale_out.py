@@ -24,9 +24,9 @@ from otel_llm.integrations.vllm_server import MODEL_NAME, Load, VllmServer, run_
 from tests.support.backends import start_otlp_sink, wait_until
 
 LOAD = Load(requests=32, concurrency=32, max_tokens=48, seed=3)
-# Held mid-flight by a pause: long enough that none finishes before it, more than the KV blocks
-# hold (12 of 32 tokens), so that some run and some wait.
-HELD = Load(requests=24, concurrency=24, max_tokens=200, min_prompt=32, max_prompt=56, seed=4, traced=False)
+# Held mid-flight by a pause: long requests, four times as many as vLLM runs at once (16, and
+# fewer fit the KV blocks), so that requests wait through most of the load, not only its start.
+HELD = Load(requests=64, concurrency=64, max_tokens=200, min_prompt=32, max_prompt=56, seed=4, traced=False)
 SCHEDULER_GAUGES = (
     "vllm:num_requests_running",
     "vllm:num_requests_waiting",
