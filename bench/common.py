@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import math
 import os
 import shutil
@@ -177,3 +178,17 @@ def flush(sub: Any) -> None:
     apply = getattr(getattr(sub, "telemetry", sub), "flush", None)
     if apply is not None:
         apply()
+
+
+def write_section(key: str, out: Path, run: Callable[[], dict[str, Any]], table: Callable[[dict], list[str]]) -> int:
+    """A section run by its own command: run it, timed, put it under ``key`` in ``out`` (other
+    keys kept), print its table."""
+    t0 = time.perf_counter()
+    result = run()
+    result["seconds"] = round(time.perf_counter() - t0, 1)
+    results = json.loads(out.read_text()) if out.exists() else {}
+    results[key] = result
+    out.write_text(json.dumps(results, indent=1) + "\n")
+    print("\n".join(table(result)))
+    print(f"\nwrote {key} into {out}")
+    return 0

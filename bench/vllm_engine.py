@@ -13,7 +13,6 @@ on both. The result goes into bench/results.json under ``vllm_engine``; other ke
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -22,7 +21,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from .common import median, ratio
+from .common import median, ratio, write_section
 
 HERE = Path(__file__).resolve().parent
 KEY = "vllm_engine"
@@ -228,15 +227,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = p.parse_args(argv)
     if args.pairs < 3:
         p.error("--pairs: at least 3")
-    t0 = time.perf_counter()
-    result = run(args.pairs, args.requests, args.max_tokens)
-    result["seconds"] = round(time.perf_counter() - t0, 1)
-    results = json.loads(args.out.read_text()) if args.out.exists() else {}
-    results[KEY] = result
-    args.out.write_text(json.dumps(results, indent=1) + "\n")
-    print("\n".join(table_lines(result)))
-    print(f"\nwrote {KEY} into {args.out}")
-    return 0
+    return write_section(KEY, args.out, lambda: run(args.pairs, args.requests, args.max_tokens), table_lines)
 
 
 if __name__ == "__main__":

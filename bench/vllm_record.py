@@ -21,7 +21,6 @@ general plugins are not loaded here). The result goes into bench/results.json un
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -29,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from .common import interleave, median, ratio
+from .common import interleave, median, ratio, write_section
 
 HERE = Path(__file__).resolve().parent
 KEY = "vllm_record"
@@ -198,15 +197,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.error("--reps: at least 3")
     if args.requests < 1 or args.tokens < 3:
         p.error("--requests: at least 1; --tokens: at least 3")
-    t0 = time.perf_counter()
-    result = run(args.reps, args.requests, args.tokens)
-    result["seconds"] = round(time.perf_counter() - t0, 1)
-    results = json.loads(args.out.read_text()) if args.out.exists() else {}
-    results[KEY] = result
-    args.out.write_text(json.dumps(results, indent=1) + "\n")
-    print("\n".join(table_lines(result)))
-    print(f"\nwrote {KEY} into {args.out}")
-    return 0
+    return write_section(KEY, args.out, lambda: run(args.reps, args.requests, args.tokens), table_lines)
 
 
 if __name__ == "__main__":
