@@ -51,6 +51,11 @@ SUMMED = (
 )
 
 
+def _state(samples: dict[tuple[str, frozenset], float]) -> dict[str, float]:
+    """Requests running and waiting in vLLM's samples, summed over label sets."""
+    return {name: sum(v for (n, _), v in samples.items() if n == name) for name in GAUGE_STATE}
+
+
 def _last_exports(sink: Any) -> dict[tuple[str, str, frozenset], float]:
     """The last export of each process: {(Prometheus sample name, instance, labels): value}."""
     last: dict[tuple[str, str, frozenset], float] = {}
@@ -127,8 +132,7 @@ def _paused_mid_load(server: VllmServer, sink: Any, attempts: int = 4) -> dict[s
     of the module still run)."""
 
     def running_and_waiting() -> bool:
-        samples = scrape(server.url + "/metrics")
-        return all(sum(v for (n, _), v in samples.items() if n == name) > 0 for name in GAUGE_STATE)
+        return all(_state(scrape(server.url + "/metrics")).values())
 
     seen: list[dict[str, float]] = []
     for _ in range(attempts):
@@ -163,7 +167,7 @@ def _hold_once(
             _post(server.url + "/resume")
         # vLLM's own gauges sometimes read none running, or none waiting, once paused (its last
         # stats, not ours): equal, but not the state this is for; the caller runs the load again.
-        seen.append({n: sum(v for (name, _), v in gauges["theirs"].items() if name == n) for n in GAUGE_STATE})
+        seen.append(_state(gauges["theirs"]))
         return gauges if all(seen[-1].values()) else None
     finally:
         load.join(300)
