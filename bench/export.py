@@ -25,8 +25,8 @@ import time
 import urllib.request
 from typing import Any
 
-from otel_llm.config import TelemetryConfig
-from otel_llm.providers import setup_telemetry
+from otel_llm.config.settings import TelemetryConfig
+from otel_llm.export.setup import setup_telemetry
 
 from .common import median, otlp_receiver
 from .workload import event_mix

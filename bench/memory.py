@@ -17,7 +17,7 @@ import time
 import tracemalloc
 from typing import Any, Callable
 
-from otel_llm.config import TelemetryConfig
+from otel_llm.config.settings import TelemetryConfig
 from otel_llm.events import EventType, RequestEvent
 
 from .common import flush, ratio, rss_bytes, slope

@@ -26,8 +26,8 @@ from typing import Any
 
 from engine_stub import Engine, EngineConfig
 from engine_stub.workload import WorkloadSpec, generate
-from otel_llm.config import TelemetryConfig
-from otel_llm.providers import setup_telemetry
+from otel_llm.config.settings import TelemetryConfig
+from otel_llm.export.setup import setup_telemetry
 from otel_llm.testing.cost import TimedHooks, started_threads, threads_cpu_s
 
 from .common import env, free_port, median, otlp_receiver

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 from typing import Any, Callable, cast
 
-from otel_llm import tracker as _t
+from otel_llm.core import tracker as _t
+from otel_llm.core.tracker import Tracker, TrackerSink
 from otel_llm.events import EventType
-from otel_llm.tracker import Tracker, TrackerSink
 
 from .replay import CONFIG, replay
 from .subscribers import OtelSubscriber, otel_subscriber
@@ -73,7 +73,7 @@ class TrackerOnly:
 def _inline(telemetry: Any) -> None:
     """The TOKENS transition and its metrics inline in ``on_events``: one Python call (the cell's
     ``observe``) per token event; everything else goes through ``Tracker.handle`` unchanged."""
-    from otel_llm import tracker as t
+    from otel_llm.core import tracker as t
 
     tracker, metrics, sink = telemetry.tracker, telemetry.metrics, telemetry._sink
     lock = metrics.lock
@@ -149,7 +149,7 @@ def micro(number: int = 200_000, repeat: int = 7) -> dict[str, float]:
     import timeit
     from bisect import bisect_left
 
-    from otel_llm.buckets import INTER_TOKEN_LATENCY
+    from otel_llm.config.buckets import INTER_TOKEN_LATENCY
     from otel_llm.events import RequestEvent
 
     class _Null:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from otel_llm.config import DEFAULT_DEFER_STEPS, TelemetryConfig
+from otel_llm.config.settings import DEFAULT_DEFER_STEPS, TelemetryConfig
 
 # defer_steps as setup_telemetry sets it: the engine plugins' path.
 CONFIG = TelemetryConfig(model_name="bench", spans=False, defer_steps=DEFAULT_DEFER_STEPS)

@@ -4,7 +4,7 @@
 * :class:`PrometheusClientSubscriber` -- (b) what vLLM does: prometheus_client metrics with
   children bound once (``.labels(...)`` at start-up), ``inc``/``observe``/``set`` per
   observation, on a registry of its own. It derives the per-request values with the same
-  :class:`otel_llm.tracker.Tracker` as the telemetry, so the comparison is about the metric path
+  :class:`otel_llm.core.tracker.Tracker` as the telemetry, so the comparison is about the metric path
   only; same metric set, same buckets (inter-token latency per token included).
 * ``ours`` / ``naive`` -- :class:`otel_llm.EngineTelemetry` with the fast path (default on a
   provider built with ``otel_llm.views``) or ``metric_path="sdk", span_path="tracer"`` (one SDK
@@ -20,12 +20,12 @@ from typing import Any, Callable, Optional, Sequence
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from otel_llm import tracker as t
 from otel_llm._sdk.logs import LogRecordExporter, LogRecordExportResult
-from otel_llm.config import TelemetryConfig
+from otel_llm.catalogue.metrics import BY_KEY, METRICS, base_attributes
+from otel_llm.config.settings import TelemetryConfig
+from otel_llm.core import tracker as t
+from otel_llm.core.tracker import RequestState, RequestSummary, Tracker
 from otel_llm.events import EventType, RequestEvent, StepStats
-from otel_llm.metrics import BY_KEY, METRICS, base_attributes
-from otel_llm.tracker import RequestState, RequestSummary, Tracker
 
 
 class CountingSubscriber:

@@ -22,8 +22,8 @@ from typing import Any, Callable
 
 from engine_stub import Engine, EngineConfig
 from engine_stub.workload import WorkloadSpec, generate
-from otel_llm.config import DEFAULT_DEFER_STEPS, TelemetryConfig
-from otel_llm.providers import setup_telemetry
+from otel_llm.config.settings import DEFAULT_DEFER_STEPS, TelemetryConfig
+from otel_llm.export.setup import setup_telemetry
 from otel_llm.testing.cost import TimedHooks
 
 from .common import env, median, otlp_receiver, ratio
@@ -137,7 +137,7 @@ def breakdown(requests: list) -> dict[str, Any]:
     SDK ``record`` of request_num_preemptions."""
     import statistics
 
-    from otel_llm import tracker as tracker_module
+    from otel_llm.core import tracker as tracker_module
 
     from .subscribers import otel_subscriber
 

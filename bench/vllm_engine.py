@@ -71,7 +71,7 @@ def engine_cpu_seconds(pid: int) -> float:
 
 
 def answers(url: str) -> bool:
-    from otel_llm.integrations.vllm_server import ServerFailed, scrape
+    from otel_llm.testing.vllm.server import ServerFailed, scrape
 
     try:
         scrape(url, timeout=10.0)
@@ -82,7 +82,7 @@ def answers(url: str) -> bool:
 
 def run_round(server: Any, load: Any) -> dict[str, Any]:
     """One load on one server: tokens/s, the API server's and the engine's CPU seconds, preemptions."""
-    from otel_llm.integrations.vllm_server import run_load, scrape
+    from otel_llm.testing.vllm.server import run_load, scrape
 
     pid = server.proc.pid
     load_average = os.getloadavg()[0]  # the machine is shared: how busy it was when the round began
@@ -116,8 +116,8 @@ def run_round(server: Any, load: Any) -> dict[str, Any]:
 
 
 def run(pairs: int = 5, requests: int = 64, max_tokens: int = 96, log: Any = sys.stderr) -> dict[str, Any]:
-    from otel_llm.integrations.span_receiver import SpanReceiver
-    from otel_llm.integrations.vllm_server import SERVER_ARGS, Load, VllmServer, make_tiny_llama
+    from otel_llm.testing.span_receiver import SpanReceiver
+    from otel_llm.testing.vllm.server import SERVER_ARGS, Load, VllmServer, make_tiny_llama
 
     without = plugins_without_ours()
     rounds: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}

@@ -2,7 +2,7 @@
 
 What the plugin's stat logger costs vLLM's frontend per engine step, beside vLLM's own
 Prometheus logger, without a server: a scripted engine-core stream
-(``otel_llm.integrations.vllm_stream``) goes through vLLM's real ``OutputProcessor`` and
+(``otel_llm.testing.vllm.stream``) goes through vLLM's real ``OutputProcessor`` and
 ``IterationStats``, and each step's stats are handed to the loggers under test, as ``AsyncLLM``'s
 output handler does. The variants run interleaved in this one process, so the machine's noise
 hits them alike:
@@ -64,7 +64,7 @@ def _handle(vllm_config: Any, spans: list[int]) -> Any:
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
     import otel_llm
-    from otel_llm.integrations.vllm_series import VllmSeries
+    from otel_llm.integrations.vllm.series import VllmSeries
 
     class Dropped(SpanExporter):
         def export(self, batch: Any) -> SpanExportResult:
@@ -92,9 +92,9 @@ def run(reps: int = 15, requests: int = 64, tokens: int = 96, log: Any = sys.std
 
     from otel_llm.integrations import vllm as plugin
     from otel_llm.integrations.vllm import OtelStatLogger
-    from otel_llm.integrations.vllm_server import make_tiny_llama
-    from otel_llm.integrations.vllm_stream import Spec, build
-    from otel_llm.integrations.vllm_stream import run as run_stream
+    from otel_llm.testing.vllm.server import make_tiny_llama
+    from otel_llm.testing.vllm.stream import Spec, build
+    from otel_llm.testing.vllm.stream import run as run_stream
 
     # A quarter of the requests are preempted once, a third of the way through.
     specs = [

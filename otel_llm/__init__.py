@@ -11,15 +11,15 @@ from typing import TYPE_CHECKING
 from otel_llm.lazy import lazy_attributes
 
 if TYPE_CHECKING:  # the names for type checkers (re-exported); at run time __getattr__ loads them on first use
-    from .config import TelemetryConfig as TelemetryConfig
-    from .events import EventType as EventType
-    from .events import RequestEvent as RequestEvent
-    from .events import StepStats as StepStats
-    from .hooks import HookBus as HookBus
-    from .metric_views import views as views
-    from .providers import TelemetryHandle as TelemetryHandle
-    from .providers import setup_telemetry as setup_telemetry
-    from .telemetry import EngineTelemetry as EngineTelemetry
+    from otel_llm.config.settings import TelemetryConfig as TelemetryConfig
+    from otel_llm.core.telemetry import EngineTelemetry as EngineTelemetry
+    from otel_llm.events import EventType as EventType
+    from otel_llm.events import RequestEvent as RequestEvent
+    from otel_llm.events import StepStats as StepStats
+    from otel_llm.export.setup import TelemetryHandle as TelemetryHandle
+    from otel_llm.export.setup import setup_telemetry as setup_telemetry
+    from otel_llm.hooks import HookBus as HookBus
+    from otel_llm.recording.views import views as views
 
 __version__ = "0.1.0"
 
@@ -28,11 +28,11 @@ _LAZY = {
     "RequestEvent": "otel_llm.events",
     "StepStats": "otel_llm.events",
     "HookBus": "otel_llm.hooks",
-    "TelemetryConfig": "otel_llm.config",
-    "EngineTelemetry": "otel_llm.telemetry",
-    "views": "otel_llm.metric_views",
-    "setup_telemetry": "otel_llm.providers",
-    "TelemetryHandle": "otel_llm.providers",
+    "TelemetryConfig": "otel_llm.config.settings",
+    "EngineTelemetry": "otel_llm.core.telemetry",
+    "views": "otel_llm.recording.views",
+    "setup_telemetry": "otel_llm.export.setup",
+    "TelemetryHandle": "otel_llm.export.setup",
 }
 
 __all__ = sorted(_LAZY)

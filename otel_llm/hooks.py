@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Sequence
 
-from .events import RequestEvent, StepStats
+from otel_llm.events import RequestEvent, StepStats
 
 __all__ = ["HookBus"]
 

@@ -44,7 +44,7 @@ def require_parameters(func: Optional[Callable[..., Any]], expected: Sequence[st
 # contract does not hold).
 CONTRACTS: dict[str, tuple[str, str, str]] = {
     "aggregation": (
-        "aggregation",
+        "histogram_aggregations",
         "check",
         "metrics are recorded through the SDK's instruments (one record() or add() per observation)",
     ),
@@ -54,7 +54,7 @@ CONTRACTS: dict[str, tuple[str, str, str]] = {
         "with exponential histograms, metrics are recorded through the SDK's instruments",
     ),
     "views": (
-        "views",
+        "provider_views",
         "check",
         "a MeterProvider's Views cannot be read: metrics are recorded through the SDK's "
         "instruments; the OTLP reader cannot have Views of its own",
@@ -68,12 +68,12 @@ CONTRACTS: dict[str, tuple[str, str, str]] = {
     ),
     "metric_exporter": ("metric_exporter", "check", "OTLP metric exports are neither counted nor backed off"),
     "prometheus": (
-        "prometheus",
+        "prometheus_exporter",
         "check",
         "the Prometheus endpoint renders through the exporter's own collector: "
         "no exemplars, le as the exporter writes it",
     ),
-    "prometheus_collector": ("prometheus", "check_collector", "no Prometheus endpoint"),
+    "prometheus_collector": ("prometheus_exporter", "check_collector", "no Prometheus endpoint"),
     "log_events": ("logs", "check", "no preemption log events (the span events stay)"),
 }
 

@@ -1,5 +1,5 @@
 """The batch span and log record processors' queue and drop hook (the shared BatchProcessor, SDK
-1.41+), for otel_llm.accounting to count what they drop.
+1.41+), for otel_llm.export.accounting to count what they drop.
 
 Queue full: the processor's ``_queue`` is a deque bounded by ``maxlen``; ``emit`` appends to its
 left and the deque itself evicts the oldest item when full; the worker thread pops batches from
@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from . import require, require_parameters
+from otel_llm._sdk import require, require_parameters
 
 
 class EvictionCountingQueue(collections.deque):

@@ -1,5 +1,5 @@
 """The SDK's base-2 exponential mapping at scale 20 (``LogarithmMapping``), whose constants
-otel_llm.aggregation inlines to index a value on the hot path; and the SDK's exponential
+otel_llm.recording.cells inlines to index a value on the hot path; and the SDK's exponential
 aggregation behaviour that the in-process cells reproduce (each delta interval starts afresh at
 scale 20; SDK 1.28 carried the previous interval's scale over)."""
 
@@ -14,7 +14,7 @@ from opentelemetry.sdk.metrics._internal.exponential_histogram.mapping import lo
 from opentelemetry.sdk.metrics.export import AggregationTemporality, ExponentialHistogram, InMemoryMetricReader
 from opentelemetry.sdk.metrics.view import ExponentialBucketHistogramAggregation, View
 
-from . import require
+from otel_llm._sdk import require
 
 MAX_SCALE = 20
 MIN_NORMAL_VALUE = sys.float_info.min  # the smallest normal double, as the SDK's ieee_754 module has it

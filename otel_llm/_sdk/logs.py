@@ -12,7 +12,7 @@ from opentelemetry import _logs as _logs_api
 from opentelemetry.sdk import _logs as _sdk_logs
 from opentelemetry.sdk._logs import export as _export
 
-from . import require
+from otel_llm._sdk import require
 
 NoOpLoggerProvider = _logs_api.NoOpLoggerProvider
 LoggerProvider = _sdk_logs.LoggerProvider

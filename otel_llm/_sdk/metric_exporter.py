@@ -10,7 +10,7 @@ from opentelemetry.sdk.metrics import Counter
 from opentelemetry.sdk.metrics.export import AggregationTemporality, ConsoleMetricExporter, MetricExporter
 from opentelemetry.sdk.metrics.view import Aggregation, SumAggregation
 
-from . import require
+from otel_llm._sdk import require
 
 
 def preferences(exporter: MetricExporter) -> tuple[Optional[dict[type, Any]], Optional[dict[type, Any]]]:

@@ -11,7 +11,7 @@ from opentelemetry.sdk.trace import SpanLimits, Tracer, TracerProvider
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, TraceFlags
 
-from . import require
+from otel_llm._sdk import require
 
 # Trace flag for a trace id known to be random (W3C Trace Context level 2); SDKs before 1.42 set none.
 _RANDOM_TRACE_ID: int = getattr(TraceFlags, "RANDOM_TRACE_ID", 0)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
-from ..config import TelemetryConfig
-from ..providers import TelemetryHandle, setup_telemetry
+from otel_llm.config.settings import TelemetryConfig
+from otel_llm.export.setup import TelemetryHandle, setup_telemetry
 
 MODEL_NAME = "engine_stub-tiny"  # the model_name label unless OTEL_LLM_MODEL_NAME says otherwise
 

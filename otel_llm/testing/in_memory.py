@@ -20,9 +20,9 @@ from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from otel_llm.config import TelemetryConfig
-from otel_llm.metric_views import views
-from otel_llm.telemetry import EngineTelemetry
+from otel_llm.config.settings import TelemetryConfig
+from otel_llm.core.telemetry import EngineTelemetry
+from otel_llm.recording.views import views
 from otel_llm.testing import read
 from otel_llm.testing.read import MetricsSnapshot, Preemption
 

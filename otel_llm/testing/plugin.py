@@ -19,14 +19,14 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import pytest
 
 if TYPE_CHECKING:
-    from otel_llm.config import TelemetryConfig
+    from otel_llm.config.settings import TelemetryConfig
     from otel_llm.testing.in_memory import InMemoryTelemetry
 
 
 @pytest.fixture
 def otel_llm_config() -> TelemetryConfig:
     """The config of ``otel_llm_telemetry``: override this fixture to change it."""
-    from otel_llm.config import TelemetryConfig
+    from otel_llm.config.settings import TelemetryConfig
 
     return TelemetryConfig(model_name="tiny")
 

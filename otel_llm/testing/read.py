@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Mapping, Optional
 
-from otel_llm.metrics import BY_KEY, METRICS
+from otel_llm.catalogue.metrics import BY_KEY, METRICS
 
 REQUEST_ID = "gen_ai.request.id"  # the request span's attribute that holds the request id
 PREEMPTED = "preempted"  # the span event of one preemption
@@ -53,7 +53,7 @@ def _matches(point: Any, attributes: Mapping[str, Any]) -> bool:
 class MetricsSnapshot(Mapping[str, list[Any]]):
     """One collection of a metric reader: metric name -> its data points (the SDK's).
 
-    Every reading method takes a metric *key* of :data:`otel_llm.metrics.METRICS` (such as
+    Every reading method takes a metric *key* of :data:`otel_llm.catalogue.metrics.METRICS` (such as
     ``"request_num_preemptions"``, resolved to the name of the naming profile) or an exported name
     (``"vllm:request_num_preemptions"``), and optionally the attributes a point must have, as a
     mapping (for dotted keys) and/or keyword arguments.
@@ -116,7 +116,8 @@ class MetricsSnapshot(Mapping[str, list[Any]]):
         name = self.name(metric)
         if name not in self._points and name not in _TABLE_NAMES:
             raise LookupError(
-                f"{name}: not collected and not a metric of otel_llm.metrics.METRICS; collected: {sorted(self._points)}"
+                f"{name}: not collected and not a metric of otel_llm.catalogue.metrics.METRICS; "
+                f"collected: {sorted(self._points)}"
             )
         return sum(p.value for p in self.points(metric, attributes, **attrs))
 

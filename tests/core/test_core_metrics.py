@@ -8,7 +8,7 @@ import pytest
 
 import otel_llm
 from otel_llm import StepStats, TelemetryConfig
-from otel_llm.metrics import METRICS
+from otel_llm.catalogue.metrics import METRICS
 from otel_llm.testing import in_memory_telemetry, lifecycle
 from tests.support.otel_helpers import BOTH_PATHS, FAST, SDK, E, RequestEvent
 

@@ -4,7 +4,7 @@ when the engine goes idle, when a reader collects, on flush() and on shutdown().
 from __future__ import annotations
 
 from otel_llm import StepStats, TelemetryConfig, setup_telemetry
-from otel_llm.config import DEFAULT_DEFER_STEPS
+from otel_llm.config.settings import DEFAULT_DEFER_STEPS
 from otel_llm.testing import in_memory_telemetry, lifecycle
 from tests.support.otel_helpers import E, RequestEvent, attrs
 

@@ -25,8 +25,9 @@ from opentelemetry.sdk.metrics._internal.measurement import Measurement
 from opentelemetry.sdk.metrics.export import ExponentialHistogramDataPoint
 
 from otel_llm import TelemetryConfig, setup_telemetry
-from otel_llm.aggregation import ExponentialHistogramCell, _ExponentialCellAggregation
-from otel_llm.metrics import BY_KEY, METRICS
+from otel_llm.catalogue.metrics import BY_KEY, METRICS
+from otel_llm.recording.cell_aggregation import _ExponentialCellAggregation
+from otel_llm.recording.cells import ExponentialHistogramCell
 from otel_llm.testing import in_memory_telemetry
 from tests.support.backends import rotel_to_sink, wait_until
 from tests.support.otel_helpers import FAST, SDK, Paths, assert_same_snapshots, attrs, workload
@@ -215,7 +216,7 @@ def test_reader_views_give_one_reader_exponential_and_another_explicit():
 
     import otel_llm
     from otel_llm import EngineTelemetry
-    from otel_llm.metric_views import use_reader_views
+    from otel_llm.recording.views import use_reader_views
     from otel_llm.testing import collect_metrics, lifecycle
 
     config = TelemetryConfig(model_name="tiny", histogram_aggregation=EXPONENTIAL)

@@ -87,10 +87,10 @@ def test_a_user_given_id_already_used_by_another_live_process_on_the_host_is_rep
     try:
         assert holder.stdout.readline().strip() == instance  # the holder has set up its telemetry
         clean_env.setenv("OTEL_RESOURCE_ATTRIBUTES", f"service.instance.id={instance}")
-        with caplog.at_level("WARNING", logger="otel_llm.identity"):
+        with caplog.at_level("WARNING", logger="otel_llm.export.identity"):
             assert _instance_id() == instance  # the user's id is kept
             _instance_id()  # reported once per process
-        said = [r.getMessage() for r in caplog.records if r.name == "otel_llm.identity"]
+        said = [r.getMessage() for r in caplog.records if r.name == "otel_llm.export.identity"]
         assert len(said) == 1 and instance in said[0] and str(holder.pid) in said[0]
     finally:
         holder.stdin.close()
@@ -98,4 +98,4 @@ def test_a_user_given_id_already_used_by_another_live_process_on_the_host_is_rep
     fresh = f"replica-{uuid.uuid4()}"  # an id nobody holds: no warning
     clean_env.setenv("OTEL_RESOURCE_ATTRIBUTES", f"service.instance.id={fresh}")
     caplog.clear()
-    assert _instance_id() == fresh and not [r for r in caplog.records if r.name == "otel_llm.identity"]
+    assert _instance_id() == fresh and not [r for r in caplog.records if r.name == "otel_llm.export.identity"]

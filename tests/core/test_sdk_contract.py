@@ -13,8 +13,8 @@ from importlib.metadata import version
 import pytest
 
 from otel_llm import TelemetryConfig, _sdk, views
-from otel_llm.aggregation import HistogramCell
-from otel_llm.metric_views import provider_has_views
+from otel_llm.recording.cells import HistogramCell
+from otel_llm.recording.views import provider_has_views
 from tests.support.sdk_versions import at_least
 
 # The SDK release from which each contract holds: checked on 1.28 and 1.45; the releases in

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from otel_llm import TelemetryConfig
-from otel_llm.metrics import BY_KEY, ERROR_TYPE, SEMCONV_VERSION
+from otel_llm.catalogue.metrics import BY_KEY, ERROR_TYPE, SEMCONV_VERSION
 from otel_llm.testing import in_memory_telemetry, lifecycle
 from tests.support.otel_helpers import BOTH_PATHS, FAST, Paths
 

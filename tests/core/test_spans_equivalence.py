@@ -20,8 +20,8 @@ from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, ParentBased, TraceIdRatioBased
 
 from otel_llm import EngineTelemetry, TelemetryConfig
-from otel_llm.spans import AssembledSpans, RequestSpans
 from otel_llm.testing import lifecycle
+from otel_llm.tracing.spans import AssembledSpans, RequestSpans
 from tests.support.otel_helpers import E, RequestEvent, attrs
 
 PARENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"

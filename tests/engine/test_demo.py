@@ -19,7 +19,7 @@ from typing import Iterator, TypedDict
 
 import pytest
 
-from otel_llm.cli import Progress, bar_chart, bucket_labels
+from otel_llm.cli.render import Progress, bar_chart, bucket_labels
 
 READY_TIMEOUT = 120  # seconds: the run itself takes about one
 

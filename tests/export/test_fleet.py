@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from otel_llm.buckets import REQUEST_NUM_PREEMPTIONS
+from otel_llm.config.buckets import REQUEST_NUM_PREEMPTIONS
 from tests.support.backends import rotel_to_sink, wait_until
 
 pytestmark = pytest.mark.backend

@@ -1,4 +1,4 @@
-"""otel_llm.prometheus: the endpoint on its own registry and port, exemplars, `:` in names."""
+"""otel_llm.export.prometheus: the endpoint on its own registry and port, exemplars, `:` in names."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from prometheus_client import REGISTRY
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
 from otel_llm import TelemetryConfig, setup_telemetry
-from otel_llm.prometheus import PrometheusEndpoint
+from otel_llm.export.prometheus import PrometheusEndpoint
 from tests.support.sdk_versions import needs_prometheus_exporter
 
 BOUNDS = (0.5, 1, 2, 3, 4, 5, 10, 20)

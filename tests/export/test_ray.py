@@ -27,7 +27,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from ray.util import metrics as ray_metrics
 
-from otel_llm.buckets import REQUEST_NUM_PREEMPTIONS, validate_boundaries
+from otel_llm.config.buckets import REQUEST_NUM_PREEMPTIONS, validate_boundaries
 from tests.support.backends import BackendUnavailable, backend
 
 REPLICAS, REQUESTS = 2, 16

@@ -1,4 +1,4 @@
-"""The README's metric table is rendered from otel_llm.metrics.METRICS: this keeps them in step.
+"""The README's metric table is rendered from otel_llm.catalogue.metrics.METRICS: this keeps them in step.
 And every setting's variable is documented in docs/configuration.md.
 
 On failure, the assertion message holds the table to paste into README.md.
@@ -9,8 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from otel_llm import TelemetryConfig
-from otel_llm.config import ENV_VARIABLES
-from otel_llm.metrics import METRICS
+from otel_llm.catalogue.metrics import METRICS
+from otel_llm.config.settings import ENV_VARIABLES
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"

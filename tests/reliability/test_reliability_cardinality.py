@@ -24,7 +24,7 @@ import otel_llm
 from engine_stub import Engine, EngineConfig
 from engine_stub.workload import WorkloadSpec, generate, run_workload
 from otel_llm import EngineTelemetry, EventType, RequestEvent, TelemetryConfig
-from otel_llm.labels import OVERFLOW_LABEL_VALUE
+from otel_llm.config.labels import OVERFLOW_LABEL_VALUE
 from tests.support.otel_helpers import BOTH_PATHS
 
 E = EventType

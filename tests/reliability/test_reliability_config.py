@@ -18,8 +18,9 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import HistogramDataPoint, InMemoryMetricReader, NumberDataPoint
 
 import otel_llm
-from otel_llm import EngineTelemetry, EventType, RequestEvent, TelemetryConfig, sdk_env, setup_telemetry
-from otel_llm.config import ENV_VARIABLES
+from otel_llm import EngineTelemetry, EventType, RequestEvent, TelemetryConfig, setup_telemetry
+from otel_llm.config.settings import ENV_VARIABLES
+from otel_llm.export import env_checks as sdk_env
 from tests.support.otel_helpers import BOTH_PATHS, attrs
 
 E = EventType
@@ -142,7 +143,7 @@ BAD_SETUP_ENV = [
     ("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "notaurl", ("http:// or https:// URL",)),
     ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "ftp://x", ("http:// or https:// URL",)),
 ]
-# Read by the SDK and its exporters themselves; checked first by otel_llm.sdk_env (the SDK would
+# Read by the SDK and its exporters themselves; checked first by otel_llm.export.env_checks (the SDK would
 # fail deep inside, fall back to a default with a log line, or fail every export later).
 BAD_SDK_ENV = [
     ("OTEL_EXPORTER_OTLP_TIMEOUT", "abc", ("seconds > 0",)),

@@ -31,8 +31,9 @@ from hypothesis import strategies as st
 from opentelemetry.sdk.metrics.export import HistogramDataPoint
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from otel_llm import TelemetryConfig, request_sink
-from otel_llm import tracker as t
+from otel_llm import TelemetryConfig
+from otel_llm.core import sink as request_sink
+from otel_llm.core import tracker as t
 from otel_llm.events import EventType, RequestEvent  # the module, so that mypy sees the types (otel_llm is lazy)
 from otel_llm.hooks import HookBus
 from otel_llm.testing import MetricsSnapshot, in_memory_telemetry
@@ -376,7 +377,7 @@ def batches_of(draw: Any, stream: list[Any]) -> list[list[Any]]:
 @pytest.fixture
 def drop_logs():
     counter = LogCounter()
-    logger = logging.getLogger("otel_llm.request_sink")
+    logger = logging.getLogger("otel_llm.core.sink")
     logger.addHandler(counter)
     old = logger.level
     logger.setLevel(logging.DEBUG)

@@ -36,7 +36,8 @@ import pytest
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader, NumberDataPoint
 
 from engine_stub import Engine, EngineConfig
-from otel_llm import TelemetryConfig, setup_telemetry, tracker
+from otel_llm import TelemetryConfig, setup_telemetry
+from otel_llm.core import tracker
 from otel_llm.testing.cost import TimedHooks, started_threads, threads_cpu_s
 from tests.support.backends import (
     LOOPBACK,

@@ -9,7 +9,7 @@ import time
 import pytest
 from samples import otel_samples
 
-from otel_llm.integrations.vllm_stream import build, default_specs, run
+from otel_llm.testing.vllm.stream import build, default_specs, run
 
 
 def _manager(vllm_config, engine_idxs=(0,)):
@@ -35,7 +35,7 @@ def test_deep_hook_puts_a_span_event_at_each_preemption(otel, vllm_config, monke
     monkeypatch.setenv("OTEL_LLM_VLLM_DEEP_HOOK", "1")
     o = otel()
     manager, ours = _manager(vllm_config)
-    from otel_llm.integrations import vllm_deep_hook
+    from otel_llm.integrations.vllm import deep_hook as vllm_deep_hook
 
     assert vllm_deep_hook.is_installed()
     script = build(default_specs(), time.monotonic(), time.time())
@@ -78,7 +78,7 @@ def test_deep_hook_puts_a_span_event_at_each_preemption(otel, vllm_config, monke
 def test_without_deep_hook_spans_carry_the_exact_count_only(otel, vllm_config):
     o = otel()
     manager, _ = _manager(vllm_config)
-    from otel_llm.integrations import vllm_deep_hook
+    from otel_llm.integrations.vllm import deep_hook as vllm_deep_hook
 
     assert not vllm_deep_hook.is_installed()
     script = build(default_specs(), time.monotonic(), time.time())
@@ -101,13 +101,13 @@ def test_deep_hook_refuses_an_untested_vllm_version_once_and_falls_back(otel, vl
     from vllm.v1.metrics.stats import IterationStats
 
     original = IterationStats.update_from_events
-    with caplog.at_level(logging.WARNING, logger="otel_llm.integrations.vllm_deep_hook"):
+    with caplog.at_level(logging.WARNING, logger="otel_llm.integrations.vllm.deep_hook"):
         manager, _ = _manager(vllm_config)
         _manager(vllm_config)  # a second logger: no second warning
-        from otel_llm.integrations import vllm_deep_hook
+        from otel_llm.integrations.vllm import deep_hook as vllm_deep_hook
 
         vllm_deep_hook.register()  # nor from the general-plugin entry point
-    warnings = [r for r in caplog.records if r.name == "otel_llm.integrations.vllm_deep_hook"]
+    warnings = [r for r in caplog.records if r.name == "otel_llm.integrations.vllm.deep_hook"]
     assert len(warnings) == 1 and "0.99.0" in warnings[0].getMessage() and "falling back" in warnings[0].getMessage()
     assert IterationStats.update_from_events is original
     script = build(default_specs()[:3], time.monotonic(), time.time())
@@ -125,12 +125,12 @@ def test_deep_hook_refuses_a_changed_shape(otel, vllm_config, monkeypatch, caplo
 
     monkeypatch.setattr(IterationStats, "update_from_events", update_from_events)
     monkeypatch.setenv("OTEL_LLM_VLLM_DEEP_HOOK", "1")
-    from otel_llm.integrations import vllm_deep_hook
+    from otel_llm.integrations.vllm import deep_hook as vllm_deep_hook
 
-    with caplog.at_level(logging.WARNING, logger="otel_llm.integrations.vllm_deep_hook"):
+    with caplog.at_level(logging.WARNING, logger="otel_llm.integrations.vllm.deep_hook"):
         assert vllm_deep_hook.install() is False
         assert vllm_deep_hook.install() is False
-    warnings = [r for r in caplog.records if r.name == "otel_llm.integrations.vllm_deep_hook"]
+    warnings = [r for r in caplog.records if r.name == "otel_llm.integrations.vllm.deep_hook"]
     assert len(warnings) == 1 and "update_from_events has parameters" in warnings[0].getMessage()
     assert IterationStats.update_from_events is update_from_events
 
@@ -139,7 +139,7 @@ def test_general_plugin_entry_point_installs_only_when_enabled(monkeypatch):
     from vllm.plugins import load_plugins_by_group
     from vllm.v1.metrics.stats import IterationStats
 
-    from otel_llm.integrations import vllm_deep_hook
+    from otel_llm.integrations.vllm import deep_hook as vllm_deep_hook
 
     register = load_plugins_by_group("vllm.general_plugins")["otel_llm_deep_hook"]
     try:

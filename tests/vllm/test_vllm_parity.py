@@ -10,10 +10,10 @@ import pytest
 from conftest import VLLM_PREEMPTION_BUCKETS
 from samples import otel_family_names, otel_samples, vllm_samples
 
-from otel_llm.integrations.vllm_stream import build, default_specs, run
+from otel_llm.testing.vllm.stream import build, default_specs, run
 
 # The vLLM metrics otel-llm's core telemetry reproduces (vllm naming profile); vLLM's logger
-# code records the others (otel_llm.integrations.vllm_series).
+# code records the others (otel_llm.integrations.vllm.series).
 CORE = {
     "vllm:request_num_preemptions",
     "vllm:num_preemptions",
@@ -70,7 +70,7 @@ def test_parity_with_vllm_prometheus_logger(otel, vllm_config, monkeypatch, deep
     o = otel(preemption_buckets=VLLM_PREEMPTION_BUCKETS)
     manager, ours, streams = _run_two_engines(vllm_config)
     manager.log_engine_initialized()  # as AsyncLLM does at start: vLLM's cache_config_info
-    from otel_llm.integrations import vllm_deep_hook
+    from otel_llm.integrations.vllm import deep_hook as vllm_deep_hook
 
     assert vllm_deep_hook.is_installed() == (deep_hook == "on")
     assert ours.field_warnings == frozenset()
@@ -144,7 +144,7 @@ def test_an_iteration_without_tokens_is_observed_as_zero(otel, vllm_config):
     """vLLM observes ``iteration_tokens_total`` for every iteration that has outputs, also one
     that computed no token (an error finish with no new token is the only output of the step):
     a StepStats with ``num_batched_tokens=0`` is observed too, so every sample stays equal."""
-    from otel_llm.integrations.vllm_stream import Spec
+    from otel_llm.testing.vllm.stream import Spec
 
     o = otel(preemption_buckets=VLLM_PREEMPTION_BUCKETS)
     manager, _ = _manager(vllm_config)

@@ -13,7 +13,7 @@ import urllib.request
 import pytest
 from samples import vllm_samples
 
-from otel_llm.integrations.vllm_stream import build, default_specs, run
+from otel_llm.testing.vllm.stream import build, default_specs, run
 
 TTFT_BUCKETS = [0.1, 1.0, 10.0]
 PREEMPTION_BUCKETS = [1.0, 2.0, 5.0]

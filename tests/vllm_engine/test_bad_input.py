@@ -12,7 +12,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from otel_llm.integrations.vllm_server import LOOPBACK, Load, VllmServer, run_load
+from otel_llm.testing.vllm.server import LOOPBACK, Load, VllmServer, run_load
 from tests.support.backends import wait_until
 
 LOAD = Load(requests=4, concurrency=4, max_tokens=8, seed=2)

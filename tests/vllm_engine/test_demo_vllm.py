@@ -22,7 +22,7 @@ try:
 except PackageNotFoundError:
     pytest.skip("vLLM's CPU build is not installed here (make test-vllm-engine)", allow_module_level=True)
 
-from otel_llm.integrations.vllm_server import traceparent
+from otel_llm.testing.vllm.server import traceparent
 
 REQUESTS = 32
 SEED = 1

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from otel_llm.integrations.vllm_server import (
+from otel_llm.testing.vllm.server import (
     MAX_MODEL_LEN,
     MODEL_NAME,
     Completion,

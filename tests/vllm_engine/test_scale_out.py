@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 import pytest
 
-from otel_llm.integrations.vllm_server import MODEL_NAME, Load, VllmServer, run_load, scrape, traceparent
+from otel_llm.testing.vllm.server import MODEL_NAME, Load, VllmServer, run_load, scrape, traceparent
 from tests.support.backends import start_otlp_sink, wait_until
 
 LOAD = Load(requests=32, concurrency=32, max_tokens=48, seed=3)

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from otel_llm.integrations.vllm import SIBLING_SPAN_NAME
-from otel_llm.integrations.vllm_server import MODEL_NAME, Load, VllmServer, run_load, scrape, traceparent
+from otel_llm.integrations.vllm.stat_logger import SIBLING_SPAN_NAME
+from otel_llm.testing.vllm.server import MODEL_NAME, Load, VllmServer, run_load, scrape, traceparent
 from tests.support.backends import wait_until
 
 LOAD = Load(requests=24, concurrency=24, max_tokens=96, seed=1)

@@ -1,0 +1,1 @@
+"""What otel-llm records, declared once as data: the metric table."""

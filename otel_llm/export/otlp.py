@@ -1,0 +1,117 @@
+"""OTLP exporters (gRPC or HTTP/protobuf) from the config and the standard environment.
+
+Headers, compression, timeout, TLS certificates and the temporality preference are read from
+the standard ``OTEL_EXPORTER_OTLP_*`` variables by the exporters themselves.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any, Mapping, Optional
+
+from otel_llm.config.settings import TelemetryConfig
+
+DEFAULT_OTLP_PROTOCOL = "grpc"
+DEFAULT_OTLP_TIMEOUT_S = 10.0
+# The first release whose OTLP exporters end an export, retries included, within their timeout.
+_RETRIES_WITHIN_TIMEOUT = (1, 35)
+_DISTRIBUTIONS = {
+    "grpc": "opentelemetry-exporter-otlp-proto-grpc",
+    "http/protobuf": "opentelemetry-exporter-otlp-proto-http",
+}
+
+
+def protocol(config: TelemetryConfig, env: Mapping[str, str], signal: str) -> str:
+    var = f"OTEL_EXPORTER_OTLP_{signal.upper()}_PROTOCOL"
+    protocol = (env.get(var) or config.otlp_protocol or DEFAULT_OTLP_PROTOCOL).strip().lower()
+    if protocol not in ("grpc", "http/protobuf"):
+        raise ValueError(f"{var}={protocol!r}: must be 'grpc' or 'http/protobuf'")
+    return protocol
+
+
+def endpoint(config: TelemetryConfig, env: Mapping[str, str], signal: str, protocol: str) -> Optional[str]:
+    """Per-signal endpoint as given; the base endpoint gets /v1/<signal> for HTTP (OTLP spec)."""
+    var = f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT"
+    specific = env.get(var)
+    if specific:
+        if not specific.startswith(("http://", "https://")) or not specific.split("://", 1)[1]:
+            raise ValueError(f"{var}={specific!r}: must be an http:// or https:// URL, e.g. http://127.0.0.1:4317")
+        endpoint, source = specific, var
+    elif not config.otlp_endpoint:
+        return None
+    elif protocol == "http/protobuf":
+        endpoint, source = config.otlp_endpoint.rstrip("/") + f"/v1/{signal}", "OTEL_EXPORTER_OTLP_ENDPOINT"
+    else:
+        endpoint, source = config.otlp_endpoint, "OTEL_EXPORTER_OTLP_ENDPOINT"
+    scheme, _, rest = endpoint.partition("://")
+    if protocol == "grpc" and "@" in rest.split("/", 1)[0]:
+        # gRPC does not send URL credentials, and its exporter logs the endpoint on every failure.
+        raise ValueError(
+            f"{source}={scheme}://***@{rest.split('@', 1)[1]!s}: credentials in a gRPC endpoint URL "
+            "are not supported (they would be logged); pass them in OTEL_EXPORTER_OTLP_HEADERS"
+        )
+    return endpoint
+
+
+def export_bound_s(env: Mapping[str, str], signal: str, protocol: str) -> Optional[float]:
+    """How long to wait for one export of ``signal`` where its exporter may retry for longer
+    (before 1.35: up to 63 s): its timeout (OTEL_EXPORTER_OTLP_[SIGNAL_]TIMEOUT, seconds).
+    None where the exporter keeps to it itself."""
+    try:
+        release = tuple(int(part) for part in version(_DISTRIBUTIONS[protocol]).split(".")[:2])
+    except (PackageNotFoundError, ValueError):
+        release = (0, 0)  # unknown: bound it
+    if release >= _RETRIES_WITHIN_TIMEOUT:
+        return None
+    for var in (f"OTEL_EXPORTER_OTLP_{signal.upper()}_TIMEOUT", "OTEL_EXPORTER_OTLP_TIMEOUT"):
+        raw = env.get(var, "").strip()
+        if raw:
+            return float(raw)  # a number > 0: sdk_env.check() has seen to it
+    return DEFAULT_OTLP_TIMEOUT_S
+
+
+def _http_session() -> Any:
+    """A requests Session that keeps the exporter's CA file (OTEL_EXPORTER_OTLP_[SIGNAL_]CERTIFICATE).
+
+    requests lets REQUESTS_CA_BUNDLE / CURL_CA_BUNDLE, when set in the environment (common in
+    containers), override a Session's ``verify``: the certificate variable was then silently
+    ignored and every export to a private-CA collector failed verification. None (the SDK's own
+    session) when a credential provider plugin supplies the session.
+    """
+    if any(k.startswith("OTEL_PYTHON_EXPORTER_OTLP_HTTP") and k.endswith("CREDENTIAL_PROVIDER") for k in os.environ):
+        return None
+    import requests
+
+    class _Session(requests.Session):
+        def merge_environment_settings(self, url, proxies, stream, verify, cert):
+            settings = super().merge_environment_settings(url, proxies, stream, verify, cert)
+            if verify is None and isinstance(self.verify, str):
+                settings["verify"] = self.verify
+            return settings
+
+    return _Session()
+
+
+# (signal, protocol) -> the exporter class, by module and name (imported only when used).
+_EXPORTERS = {
+    ("metrics", "grpc"): ("opentelemetry.exporter.otlp.proto.grpc.metric_exporter", "OTLPMetricExporter"),
+    ("metrics", "http/protobuf"): ("opentelemetry.exporter.otlp.proto.http.metric_exporter", "OTLPMetricExporter"),
+    ("traces", "grpc"): ("opentelemetry.exporter.otlp.proto.grpc.trace_exporter", "OTLPSpanExporter"),
+    ("traces", "http/protobuf"): ("opentelemetry.exporter.otlp.proto.http.trace_exporter", "OTLPSpanExporter"),
+    ("logs", "grpc"): ("opentelemetry.exporter.otlp.proto.grpc._log_exporter", "OTLPLogExporter"),
+    ("logs", "http/protobuf"): ("opentelemetry.exporter.otlp.proto.http._log_exporter", "OTLPLogExporter"),
+}
+
+
+def exporter(config: TelemetryConfig, env: Mapping[str, str], signal: str) -> Any:
+    """The OTLP exporter of ``signal`` ("metrics", "traces" or "logs"); the rest of its settings
+    (headers, TLS, compression, timeout, temporality) it reads from the environment itself."""
+    proto = protocol(config, env, signal)
+    url = endpoint(config, env, signal, proto)
+    module, name = _EXPORTERS[(signal, proto)]
+    cls = getattr(importlib.import_module(module), name)
+    if proto == "grpc":
+        return cls(endpoint=url)
+    return cls(endpoint=url, session=_http_session())

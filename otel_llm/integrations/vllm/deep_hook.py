@@ -1,0 +1,367 @@
+"""Opt-in deep hook into vLLM: exact preemption times (``OTEL_LLM_VLLM_DEEP_HOOK=1``).
+
+vLLM's stat loggers only get ``FinishedRequestStats.num_preemptions``: the per-request
+``EngineCoreEvent`` timestamps (QUEUED / SCHEDULED / PREEMPTED) are consumed by
+``IterationStats.update_from_events`` in the output processor and dropped. This hook wraps two
+methods of vLLM's ``IterationStats`` (an internal class, not a stable interface):
+
+* ``update_from_events(req_id, events, is_prefilling, req_stats, ...)``: after vLLM's own
+  processing, the events' ``(type, timestamp)`` are appended to a small trace kept on vLLM's
+  per-request ``RequestStateStats`` object (so it lives and dies with the request);
+* ``update_from_finished_request(..., req_stats, ...)``: after vLLM appended its
+  ``FinishedRequestStats``, the trace is attached to it, where the stat logger
+  (:mod:`otel_llm.integrations.vllm`) finds it: one ``preempted`` span event at each real
+  PREEMPTED timestamp, the exact preempted time, the real arrival time and TTFT of the request.
+
+It also keeps the caller's W3C trace context, which vLLM drops unless its own tracing is on
+(``AsyncLLM.add_request`` discards ``trace_headers`` without ``--otlp-traces-endpoint``): a
+wrapper of ``AsyncLLM.add_request`` holds the headers in a context variable while vLLM builds
+the request, and a wrapper of ``OutputProcessor.add_request`` (called in the same task) stores
+them in the request's trace, so that the request span is a child of the caller's span.
+
+And it sees aborted requests (a client that disconnects), which vLLM never hands to its stat
+loggers nor counts in ``request_success``: a wrapper of ``OutputProcessor.abort_requests``
+queues what it knew of each (:class:`AbortedRequest`, at most :data:`MAX_ABORTED` waiting), and
+the stat logger gives each a span with finish reason ``abort``, leaving the metrics as vLLM's.
+
+Guards: the vLLM version must be in the accepted range (``>= 0.10, < 0.34``; tested on 0.32.0 serving and 0.33.0;
+``=force`` skips the version check) and both targets must have the expected parameters. When it cannot attach, it
+says so once (a warning) and the plugin falls back to metrics plus one span per finished
+request with the exact preemption count. Loaded in every vLLM process through the
+``vllm.general_plugins`` entry point (``register``); the stat logger also installs it.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextvars
+import inspect
+import logging
+import os
+import threading
+import time
+from typing import Any, Callable, Optional
+
+_log = logging.getLogger(__name__)
+
+ENV = "OTEL_LLM_VLLM_DEEP_HOOK"
+TESTED_VERSIONS = ((0, 10), (0, 34))  # [min, max)
+TRACE_ATTR = "_otel_llm_trace"
+_MARK = "__otel_llm_deep_hook__"
+# vLLM's EngineCoreEventType values (IntEnum): QUEUED=1, SCHEDULED=2, PREEMPTED=3.
+QUEUED, SCHEDULED, PREEMPTED = 1, 2, 3
+
+MAX_ABORTED = 4096
+_lock = threading.Lock()
+_state: dict[str, Any] = {"installed": False, "failed": None, "originals": []}
+# The trace headers of the request being added, from AsyncLLM.add_request to OutputProcessor.add_request.
+_adding_headers: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("otel_llm_trace_headers", default=None)
+
+
+def enabled(environ: Optional[dict] = None) -> bool:
+    value = (environ if environ is not None else os.environ).get(ENV, "").strip().lower()
+    return value in ("1", "true", "yes", "on", "force")
+
+
+def _forced() -> bool:
+    return os.environ.get(ENV, "").strip().lower() == "force"
+
+
+def register() -> None:
+    """``vllm.general_plugins`` entry point: install when enabled; never raises into vLLM."""
+    try:
+        if enabled():
+            install()
+    except Exception:  # noqa: BLE001 - registration must not stop vLLM: the plain plugin stays
+        _log.exception("otel-llm deep hook: registration failed; falling back")
+
+
+class RequestTrace:
+    """What the hook saw of one request: its engine-core events, arrival time and TTFT."""
+
+    __slots__ = ("events", "arrival_time", "first_token_latency", "carrier")
+
+    def __init__(self) -> None:
+        self.events: list[tuple[int, float]] = []  # (EngineCoreEventType value, monotonic ts)
+        self.arrival_time: Optional[float] = None  # wall clock (vLLM frontend)
+        self.first_token_latency: Optional[float] = None
+        self.carrier: Optional[dict] = None  # the caller's traceparent / tracestate
+
+    @property
+    def preempted_at(self) -> tuple[float, ...]:
+        return tuple(ts for kind, ts in self.events if kind == PREEMPTED)
+
+    def preempted_time(self, finish_time: float) -> float:
+        """Sum over preemptions of (next SCHEDULED - PREEMPTED); a request still waiting at
+        its finish (aborted) counts until ``finish_time`` (same monotonic clock)."""
+        total = 0.0
+        since: Optional[float] = None
+        for kind, ts in self.events:
+            if kind == PREEMPTED and since is None:
+                since = ts
+            elif kind == SCHEDULED and since is not None:
+                total += max(0.0, ts - since)
+                since = None
+        if since is not None:
+            total += max(0.0, finish_time - since)
+        return total
+
+
+class AbortedRequest:
+    """An aborted request as the output processor knew it (wall-clock times)."""
+
+    __slots__ = (
+        "request_id",
+        "arrival_time",
+        "abort_time",
+        "prompt_tokens",
+        "max_tokens",
+        "generation_tokens",
+        "trace",
+    )
+
+    def __init__(self, req_state: Any) -> None:
+        stats = getattr(req_state, "stats", None)
+        self.request_id = str(getattr(req_state, "external_req_id", None) or getattr(req_state, "request_id", ""))
+        self.abort_time = time.time()
+        arrival = getattr(stats, "arrival_time", None)
+        self.arrival_time = arrival if isinstance(arrival, (int, float)) and arrival > 0 else self.abort_time
+        self.prompt_tokens = _count(getattr(req_state, "prompt_len", 0))
+        self.max_tokens = _count(getattr(req_state, "max_tokens_param", 0))
+        self.generation_tokens = _count(getattr(stats, "num_generation_tokens", 0))
+        trace = getattr(stats, TRACE_ATTR, None)
+        self.trace = trace if isinstance(trace, RequestTrace) else RequestTrace()
+
+
+def _count(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+# Filled by the output processor's thread, drained by the stat logger (deque appends and pops are atomic).
+aborted: "collections.deque[AbortedRequest]" = collections.deque(maxlen=MAX_ABORTED)
+
+
+def trace_of(finished_stats: Any) -> Optional[RequestTrace]:
+    """The trace the hook attached to vLLM's ``FinishedRequestStats``, if any."""
+    trace = getattr(finished_stats, TRACE_ATTR, None)
+    return trace if isinstance(trace, RequestTrace) else None
+
+
+def _version_ok() -> tuple[bool, str]:
+    try:
+        import vllm
+
+        version = str(getattr(vllm, "__version__", "0"))
+    except Exception as exc:  # noqa: BLE001 - any import failure means no deep hook
+        return False, f"vLLM is not importable ({exc!r})"
+    parts = []
+    for piece in version.split(".")[:2]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    parsed = tuple(parts + [0] * (2 - len(parts)))
+    low, high = TESTED_VERSIONS
+    if not (low <= parsed < high):
+        return False, f"vLLM {version} is outside the accepted range {low}..<{high} (set {ENV}=force to try)"
+    return True, version
+
+
+def _params(fn: Callable) -> list[str]:
+    return list(inspect.signature(fn).parameters)
+
+
+def _shape_ok(stats_cls: type) -> Optional[str]:
+    ufe = getattr(stats_cls, "update_from_events", None)
+    ufr = getattr(stats_cls, "update_from_finished_request", None)
+    if ufe is None or ufr is None:
+        return "IterationStats.update_from_events / update_from_finished_request not found"
+    p = _params(ufe)
+    if p[:5] != ["self", "req_id", "events", "is_prefilling", "req_stats"]:
+        return f"IterationStats.update_from_events has parameters {p}"
+    q = _params(ufr)
+    if "req_stats" not in q or "request_id" not in q:
+        return f"IterationStats.update_from_finished_request has parameters {q}"
+    try:
+        probe = stats_cls()
+    except Exception as exc:  # noqa: BLE001 - any failure means vLLM's class changed shape: no deep hook
+        return f"IterationStats() cannot be built ({exc!r})"
+    if not isinstance(getattr(probe, "finished_requests", None), list):
+        return "IterationStats has no finished_requests list"
+    return None
+
+
+def install() -> bool:
+    """Wrap vLLM's IterationStats (idempotent). False, with one warning, when it cannot."""
+    with _lock:
+        if _state["installed"]:
+            return True
+        if _state["failed"] is not None:
+            return False
+        try:
+            reason = _install()
+        except Exception as exc:  # noqa: BLE001 - any install failure means no deep hook, reported once
+            reason = f"unexpected error {exc!r}"
+        if reason is None:
+            _state["installed"] = True
+            _log.info("otel-llm deep hook: attached to vLLM's IterationStats (per-preemption timing on)")
+            return True
+        _state["failed"] = reason
+        _log.warning(
+            "otel-llm deep hook: not attached (%s); falling back to stat-logger data "
+            "(exact preemption counts, no per-preemption timestamps)",
+            reason,
+        )
+        return False
+
+
+def _install() -> Optional[str]:
+    if not _forced():
+        ok, why = _version_ok()
+        if not ok:
+            return why
+    from vllm.v1.metrics import stats as vstats
+
+    cls = getattr(vstats, "IterationStats", None)
+    if cls is None:
+        return "vllm.v1.metrics.stats.IterationStats not found"
+    if getattr(cls.update_from_events, _MARK, False):
+        return None  # already wrapped (e.g. by another copy of this module)
+    problem = _shape_ok(cls)
+    if problem:
+        return problem
+
+    orig_events = cls.update_from_events
+    orig_finished = cls.update_from_finished_request
+    finished_params = _params(orig_finished)
+    req_stats_pos = finished_params.index("req_stats")  # self included
+    warned: set[str] = set()
+
+    def warn_once(what: str, exc: BaseException) -> None:
+        if what not in warned:
+            warned.add(what)
+            _log.warning("otel-llm deep hook: %s failed (%r); that request keeps the fallback data", what, exc)
+
+    def update_from_events(
+        self: Any, req_id: Any, events: Any, is_prefilling: Any, req_stats: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        result = orig_events(self, req_id, events, is_prefilling, req_stats, *args, **kwargs)
+        try:
+            if events:
+                trace = getattr(req_stats, TRACE_ATTR, None)
+                if trace is None:
+                    trace = RequestTrace()
+                    setattr(req_stats, TRACE_ATTR, trace)
+                trace.events.extend((int(e.type), float(e.timestamp)) for e in events)
+        except Exception as exc:  # noqa: BLE001 - never into vLLM's engine core
+            warn_once("recording engine-core events", exc)
+        return result
+
+    def update_from_finished_request(self: Any, *args: Any, **kwargs: Any) -> Any:
+        before = len(self.finished_requests)
+        result = orig_finished(self, *args, **kwargs)
+        try:
+            req_stats = kwargs.get("req_stats")
+            if req_stats is None and len(args) >= req_stats_pos:
+                req_stats = args[req_stats_pos - 1]
+            if req_stats is not None and len(self.finished_requests) > before:
+                trace = getattr(req_stats, TRACE_ATTR, None) or RequestTrace()
+                trace.arrival_time = getattr(req_stats, "arrival_time", None)
+                ftl = getattr(req_stats, "first_token_latency", None)
+                trace.first_token_latency = ftl if isinstance(ftl, (int, float)) and ftl > 0 else None
+                setattr(self.finished_requests[-1], TRACE_ATTR, trace)
+        except Exception as exc:  # noqa: BLE001 - never into vLLM's output processor
+            warn_once("attaching the trace to FinishedRequestStats", exc)
+        return result
+
+    _wrap(cls, "update_from_events", update_from_events)
+    _wrap(cls, "update_from_finished_request", update_from_finished_request)
+    problem = _install_trace_context_capture(warn_once)
+    if problem:
+        _log.warning(
+            "otel-llm deep hook: the caller's trace context is not kept (%s); request spans are roots "
+            "unless vLLM's own tracing is on",
+            problem,
+        )
+    return None
+
+
+def _wrap(owner: type, name: str, wrapper: Callable) -> None:
+    original = getattr(owner, name)
+    wrapper.__name__ = original.__name__
+    wrapper.__qualname__ = original.__qualname__
+    wrapper.__doc__ = original.__doc__
+    setattr(wrapper, _MARK, True)
+    wrapper.__wrapped__ = original  # type: ignore[attr-defined]  # a function takes any attribute; Callable does not say so
+    _state["originals"].append((owner, name, original))
+    setattr(owner, name, wrapper)
+
+
+def _install_trace_context_capture(warn_once: Callable[[str, BaseException], None]) -> Optional[str]:
+    """Keep the trace headers that AsyncLLM.add_request receives on the request's trace."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.engine.output_processor import OutputProcessor
+
+    add = AsyncLLM.add_request
+    signature = inspect.signature(add)
+    if "trace_headers" not in signature.parameters or not inspect.iscoroutinefunction(add):
+        return f"AsyncLLM.add_request has parameters {list(signature.parameters)}"
+    if _params(OutputProcessor.add_request)[:2] != ["self", "request"]:
+        return f"OutputProcessor.add_request has parameters {_params(OutputProcessor.add_request)}"
+
+    async def add_request(self: Any, *args: Any, **kwargs: Any) -> Any:
+        headers = None
+        try:
+            headers = signature.bind(self, *args, **kwargs).arguments.get("trace_headers")
+        except Exception as exc:  # noqa: BLE001 - never into vLLM's request path
+            warn_once("reading the trace headers", exc)
+        token = _adding_headers.set(dict(headers) if headers else None)
+        try:
+            return await add(self, *args, **kwargs)
+        finally:
+            _adding_headers.reset(token)
+
+    processor_add = OutputProcessor.add_request
+
+    def add_to_processor(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        result = processor_add(self, request, *args, **kwargs)
+        try:
+            headers = _adding_headers.get()
+            if headers:
+                req_state = self.request_states.get(request.request_id)
+                req_stats = getattr(req_state, "stats", None)
+                if req_stats is not None:
+                    trace = getattr(req_stats, TRACE_ATTR, None)
+                    if trace is None:
+                        trace = RequestTrace()
+                        setattr(req_stats, TRACE_ATTR, trace)
+                    trace.carrier = headers
+        except Exception as exc:  # noqa: BLE001 - never into vLLM's request path
+            warn_once("keeping the trace headers", exc)
+        return result
+
+    abort = OutputProcessor.abort_requests
+
+    def abort_requests(self: Any, *args: Any, **kwargs: Any) -> Any:
+        before = dict(self.request_states)
+        result = abort(self, *args, **kwargs)
+        try:
+            aborted.extend(AbortedRequest(state) for rid, state in before.items() if rid not in self.request_states)
+        except Exception as exc:  # noqa: BLE001 - never into vLLM's abort path
+            warn_once("keeping aborted requests", exc)
+        return result
+
+    _wrap(AsyncLLM, "add_request", add_request)
+    _wrap(OutputProcessor, "add_request", add_to_processor)
+    _wrap(OutputProcessor, "abort_requests", abort_requests)
+    return None
+
+
+def uninstall() -> None:
+    """Restore vLLM's methods and forget a failed attempt (tests)."""
+    with _lock:
+        for owner, name, original in reversed(_state["originals"]):
+            setattr(owner, name, original)
+        _state.update(installed=False, failed=None, originals=[])
+
+
+def is_installed() -> bool:
+    return bool(_state["installed"])

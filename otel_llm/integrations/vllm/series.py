@@ -1,0 +1,323 @@
+"""Every other series of vLLM's Prometheus logger, through OpenTelemetry.
+
+The core telemetry (:mod:`otel_llm.catalogue.metrics`) reproduces vLLM's request, token, latency and
+preemption metrics with its own logic (exemplars, spans, the never-preempted bucket). vLLM
+exports many more: prefix and multi-modal cache counters, prompt tokens by source, waiting
+requests by reason, ``cache_config_info``, sleep state, admission rejections, estimated FLOPs
+and bytes, and, when the feature is on, speculative decoding, KV connector, LoRA and KV block
+metrics. Those are reproduced here *by vLLM's own code*: vLLM's ``PrometheusStatLogger`` builds
+its metrics through the class attributes ``_gauge_cls``, ``_counter_cls``, ``_histogram_cls``
+(and its helpers' ``_spec_decoding_cls``, ``_kv_connector_cls``, ...), which vLLM's Ray
+integration replaces to send the same series to Ray. :class:`VllmSeries` replaces them with
+recording families of its own, so the names, labels, buckets, zero series created at start,
+and values are vLLM's by construction, for whatever vLLM version and settings are running.
+
+Families that the core telemetry already exports (``vllm:`` names of :data:`otel_llm.catalogue.metrics.METRICS`)
+are left to it: here they record nothing. The rest are OpenTelemetry observable instruments
+reading plain Python values (a histogram is an :class:`~otel_llm.recording.cells.HistogramCell`),
+renamed to vLLM's ``vllm:`` names by Views, which must exist when the MeterProvider is built:
+``setup_telemetry(config, extra_views=series.views())`` (the plugin does this itself). In the
+``semconv`` naming profile the names are ``vllm.<name>`` and the ``model_name``/``engine``
+labels are ``gen_ai.request.model``/``llm.engine``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+import time
+import weakref
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+from opentelemetry.metrics import CallbackOptions, Meter, Observation
+from opentelemetry.sdk.metrics.view import View
+
+from otel_llm import __version__
+from otel_llm.catalogue.metrics import METRICS, SCOPE
+from otel_llm.recording.cell_aggregation import InProcessHistogram
+from otel_llm.recording.cells import HistogramCell
+
+__all__ = ["VllmSeries", "SeriesView"]
+
+CORE_NAMES = frozenset(m.vllm for m in METRICS)
+_SEMCONV_LABELS = {"model_name": "gen_ai.request.model", "engine": "llm.engine"}
+_construct_lock = threading.Lock()
+
+
+class SeriesView(View):
+    """A View made for one vLLM family, so that a provider's Views can be checked for it."""
+
+    def __init__(self, series_name: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.series_name = series_name
+
+
+class _Family:
+    """The part of prometheus_client's Counter/Gauge/Histogram API that vLLM's loggers use."""
+
+    kind = ""
+
+    def __init__(
+        self,
+        series: "VllmSeries",
+        name: str,
+        documentation: str = "",
+        labelnames: Sequence[str] = (),
+        buckets: Optional[Sequence[float]] = None,
+        **_: Any,
+    ) -> None:
+        if self.kind == "counter" and name.endswith("_total"):
+            name = name[: -len("_total")]  # prometheus_client's rule: the exported name gets it back
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = tuple(labelnames)
+        self.otel_labels = series.otel_labels(self.labelnames)
+        self.bounds: tuple[float, ...] = ()
+        if buckets is not None:
+            self.bounds = tuple(sorted({float(b) for b in buckets if not math.isinf(float(b))}))
+        self.children: dict[tuple[str, ...], Any] = {}
+        self.recording = name not in CORE_NAMES
+        series.add(self)
+        self._value: Any = None
+        if not self.labelnames:
+            self._value = self._child(())
+
+    def labels(self, *values: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            values = tuple(kwargs[n] for n in self.labelnames)
+        if len(values) != len(self.labelnames):
+            raise ValueError(f"{self.name}: {len(values)} label values for labels {self.labelnames}")
+        key = tuple(str(v) for v in values)
+        child = self.children.get(key)
+        if child is None:
+            child = self._child(key)
+        return child
+
+    def _child(self, key: tuple[str, ...]) -> Any:
+        if not self.recording:
+            return _NOOP
+        child = self.children[key] = self._new_child(key)
+        return child
+
+    def _new_child(self, key: tuple[str, ...]) -> Any:
+        raise NotImplementedError
+
+    # An unlabelled family is its own single series.
+    def inc(self, amount: float = 1) -> None:
+        self._value.inc(amount)
+
+    def dec(self, amount: float = 1) -> None:
+        self._value.dec(amount)
+
+    def set(self, value: float) -> None:
+        self._value.set(value)
+
+    def set_to_current_time(self) -> None:
+        self._value.set_to_current_time()
+
+    def observe(self, value: float) -> None:
+        self._value.observe(value)
+
+
+class _Value:
+    """A series' value; ``read``, when set, is what collection exports instead (None: nothing)."""
+
+    __slots__ = ("value", "read")
+
+    def __init__(self) -> None:
+        self.value = 0.0
+        self.read: Optional[Callable[[], Optional[float]]] = None
+
+    def inc(self, amount: float = 1) -> None:
+        self.value += amount
+
+    def dec(self, amount: float = 1) -> None:
+        self.value -= amount
+
+    def set(self, value: float) -> None:
+        self.value = float(value)
+
+    def set_to_current_time(self) -> None:
+        self.value = time.time()
+
+
+class _NoOp:
+    def inc(self, amount: float = 1) -> None: ...
+    def dec(self, amount: float = 1) -> None: ...
+    def set(self, value: float) -> None: ...
+    def set_to_current_time(self) -> None: ...
+    def observe(self, value: float) -> None: ...
+
+
+_NOOP = _NoOp()
+
+
+class _Counter(_Family):
+    kind = "counter"
+
+    def _new_child(self, key: tuple[str, ...]) -> _Value:
+        return _Value()
+
+
+class _Gauge(_Family):
+    kind = "gauge"
+
+    def _new_child(self, key: tuple[str, ...]) -> _Value:
+        return _Value()
+
+
+class _Histogram(_Family):
+    kind = "histogram"
+
+    def _new_child(self, key: tuple[str, ...]) -> HistogramCell:
+        return HistogramCell(self.bounds, dict(zip(self.otel_labels, key)))
+
+
+class VllmSeries:
+    """vLLM's ``PrometheusStatLogger`` recording into OpenTelemetry (see the module docstring).
+
+    ``record``, ``record_sleep_state``, ``record_admission_rejection`` and
+    ``log_engine_initialized`` are vLLM's own methods; :meth:`bind` creates the instruments on
+    a MeterProvider built with :meth:`views`.
+    """
+
+    def __init__(self, vllm_config: Any, engine_indexes: Sequence[int], naming: str = "vllm") -> None:
+        self.naming = naming
+        self.families: dict[str, _Family] = {}
+        # Families recorded but not exported by this process: another process reports them.
+        self.withheld: set[str] = set()
+        self.logger = self._build(vllm_config, list(engine_indexes))
+        # The info gauge (cache_config_info) is created when the engine reports it is up, after
+        # the providers exist: declared now so that its View exists, exported from vLLM's call on.
+        before = set(self.families)
+        self.logger.log_engine_initialized()
+        for name in set(self.families) - before:
+            self.families[name].children.clear()
+
+    def otel_labels(self, labelnames: tuple[str, ...]) -> tuple[str, ...]:
+        if self.naming == "vllm":
+            return labelnames
+        return tuple(_SEMCONV_LABELS.get(n, n) for n in labelnames)
+
+    def add(self, family: _Family) -> None:
+        # The same name twice (vLLM re-creating an info gauge): the latest family is the one in use.
+        self.families[family.name] = family
+
+    def _build(self, vllm_config: Any, engine_indexes: list[int]) -> Any:
+        from vllm.v1.metrics import loggers
+
+        series = self
+
+        def family_class(base: type[_Family]) -> type:
+            return type(base.__name__, (base,), {"__init__": lambda s, *a, **k: base.__init__(s, series, *a, **k)})
+
+        counter, gauge, histogram = family_class(_Counter), family_class(_Gauge), family_class(_Histogram)
+        metric_classes = {"_counter_cls": counter, "_gauge_cls": gauge, "_histogram_cls": histogram}
+        attrs: dict[str, Any] = dict(metric_classes)
+        # The logger's helpers (speculative decoding, KV/EC connectors, performance counters)
+        # take the same three class attributes.
+        for helper in ("_spec_decoding_cls", "_kv_connector_cls", "_ec_connector_cls", "_perf_metrics_cls"):
+            base = getattr(loggers.PrometheusStatLogger, helper, None)
+            if isinstance(base, type):
+                attrs[helper] = type(base.__name__, (base,), dict(metric_classes))
+        attrs["_unregister_vllm_metrics"] = staticmethod(lambda: None)
+        cls = type("OtelPrometheusStatLogger", (loggers.PrometheusStatLogger,), attrs)
+        with _construct_lock, _no_unregister(loggers):
+            return cls(vllm_config, engine_indexes)
+
+    # -- OpenTelemetry -------------------------------------------------------------------
+
+    def _recording(self) -> list[_Family]:
+        return [f for f in self.families.values() if f.recording]
+
+    def metric_name(self, family: _Family) -> str:
+        rest = family.name.split(":", 1)[1] if ":" in family.name else family.name
+        return family.name if self.naming == "vllm" else f"vllm.{rest}"
+
+    def instrument_name(self, family: _Family) -> str:
+        return self.metric_name(family).replace(":", ".")
+
+    def views(self) -> list[View]:
+        """Renames (``vllm:`` names) and histogram buckets for every family recorded here."""
+        out: list[View] = []
+        for f in self._recording():
+            instrument, name = self.instrument_name(f), self.metric_name(f)
+            kwargs: dict[str, Any] = {"instrument_name": instrument, "meter_name": SCOPE}
+            if name != instrument:
+                kwargs["name"] = name
+            if f.kind == "histogram":
+                kwargs["aggregation"] = InProcessHistogram(f.bounds)
+            out.append(SeriesView(f.name, **kwargs))
+        return out
+
+    def bind(self, meter_provider: Any, available: Callable[[str], bool] = lambda _name: True) -> list[str]:
+        """Export the families that ``available`` says have their Views on ``meter_provider``
+        (the latest series bound to a provider is the one its instruments read). Returns the
+        names of the families left out."""
+        with _construct_lock:
+            binding = _bindings.get(meter_provider)
+            if binding is None:
+                binding = _bindings[meter_provider] = _Binding(meter_provider.get_meter(SCOPE, __version__))
+            binding.series = self
+            left_out = []
+            for f in self._recording():
+                if not available(f.name):
+                    left_out.append(f.name)
+                elif f.name not in binding.names:
+                    binding.add(f, self.instrument_name(f))
+            return left_out
+
+
+class _Binding:
+    """The instruments of one MeterProvider: created once per family name (the SDK ignores the
+    callbacks of an instrument created again), reading the latest series bound."""
+
+    def __init__(self, meter: Meter) -> None:
+        self.meter = meter
+        self.series: Optional[VllmSeries] = None
+        self.names: set[str] = set()
+
+    def add(self, family: _Family, instrument: str) -> None:
+        self.names.add(family.name)
+        create = {
+            "counter": self.meter.create_observable_counter,
+            "gauge": self.meter.create_observable_gauge,
+            "histogram": self.meter.create_observable_counter,
+        }[family.kind]
+        create(instrument, [self._callback(family.name)], "", family.documentation)
+
+    def _callback(self, name: str) -> Callable[[CallbackOptions], Iterator[Observation]]:
+        def callback(_: CallbackOptions) -> Iterator[Observation]:
+            series = self.series
+            if series is None:
+                return
+            family = series.families.get(name)
+            if family is None or not family.recording or name in series.withheld:
+                return
+            for key, child in list(family.children.items()):
+                if isinstance(child, HistogramCell):
+                    yield child.observation()
+                else:
+                    value = child.value if child.read is None else child.read()
+                    if value is not None:
+                        yield Observation(value, dict(zip(family.otel_labels, key)))
+
+        return callback
+
+
+_bindings: "weakref.WeakKeyDictionary[Any, _Binding]" = weakref.WeakKeyDictionary()
+
+
+@contextlib.contextmanager
+def _no_unregister(loggers: Any) -> Iterator[None]:
+    """vLLM's logger unregisters every ``vllm:`` collector from prometheus_client's global
+    registry when it is built, vLLM's own included: not while ours is built."""
+    original = getattr(loggers, "unregister_vllm_metrics", None)
+    if original is not None:
+        loggers.unregister_vllm_metrics = lambda: None
+    try:
+        yield
+    finally:
+        if original is not None:
+            loggers.unregister_vllm_metrics = original

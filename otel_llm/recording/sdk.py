@@ -1,0 +1,117 @@
+"""The straightforward path: one SDK call per observation (see otel_llm.recording.recorder)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from typing import Any, Iterable, Optional, Sequence
+
+from opentelemetry.metrics import MeterProvider
+
+from otel_llm import __version__
+from otel_llm.catalogue.metrics import BY_KEY, METRICS, SCOPE, base_attributes, error_attributes, label_key
+from otel_llm.config.labels import LabelLimiter
+from otel_llm.config.settings import TelemetryConfig
+from otel_llm.core.tracker import DROP_REASONS
+from otel_llm.events import StepStats
+from otel_llm.recording.cells import ExemplarIds
+from otel_llm.recording.recorder import Recorder
+
+_instances: "weakref.WeakSet[SdkMetrics]" = weakref.WeakSet()
+
+
+def _new_locks_after_fork() -> None:
+    for recorder in list(_instances):  # a child must not inherit a lock held by a parent's thread
+        recorder._lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_locks_after_fork)
+
+
+class SdkMetrics(Recorder):
+    """One SDK ``record``/``add``/``set`` per observation, attributes passed on every call."""
+
+    def __init__(self, meter_provider: MeterProvider, config: TelemetryConfig) -> None:
+        meter = meter_provider.get_meter(SCOPE, __version__)
+        self._lock = threading.Lock()
+        _instances.add(self)
+        self.config = config
+        self.attributes = base_attributes(config)
+        self._error_attributes = error_attributes(config)
+        self._reason_key = label_key(config, "reason")
+        self._finish_key = label_key(config, "finished_reason")
+        self._limit_reason = LabelLimiter(config.max_label_values)
+        self._limit_finish = LabelLimiter(config.max_label_values)
+        self.i: dict[str, Any] = {}
+        for m in METRICS:
+            name = m.instrument_name(config.naming)
+            if m.kind == "counter":
+                self.i[m.key] = meter.create_counter(name, m.unit, m.meaning)
+            elif m.kind == "gauge":
+                self.i[m.key] = meter.create_gauge(name, m.unit, m.meaning)
+            else:
+                self.i[m.key] = meter.create_histogram(name, m.unit, m.meaning)
+        for reason in DROP_REASONS:
+            self.i["dropped_events"].add(0, {**self.attributes, "reason": reason})
+
+    @property
+    def lock(self) -> threading.Lock:
+        return self._lock
+
+    def preempted(self, reason: str, num_computed_tokens: int) -> None:
+        i, attrs = self.i, self.attributes
+        i["num_preemptions"].add(1, attrs)
+        i["num_preemptions_by_reason"].add(1, {**attrs, self._reason_key: self._limit_reason(reason)})
+        i["num_recomputed_tokens"].add(num_computed_tokens, attrs)
+
+    def prompt_tokens(self, n: int) -> None:
+        self.i["prompt_tokens"].add(n, self.attributes)
+
+    def ttft(self, seconds: float, exemplar: Optional[ExemplarIds], ctx: Any) -> None:
+        self.i["time_to_first_token_seconds"].record(seconds, self.attributes, context=ctx)
+
+    def tokens(self, n: int, itl: Optional[float], exemplar: Optional[ExemplarIds], ctx: Any) -> None:
+        self.i["generation_tokens"].add(n, self.attributes)
+        if itl is not None:
+            self.i["inter_token_latency_seconds"].record(itl, self.attributes, context=ctx)
+
+    def finished(
+        self,
+        values: dict[str, float],
+        finish_reason: str,
+        num_preemptions: int,
+        exemplar: Optional[ExemplarIds],
+        ctx: Any,
+    ) -> None:
+        i, attrs = self.i, self.attributes
+        i["request_success"].add(1, {**attrs, self._finish_key: self._limit_finish(finish_reason)})
+        errors = self._error_attributes if finish_reason == "error" else None
+        for key, value in values.items():
+            i[key].record(value, errors if errors and BY_KEY[key].error_type else attrs, context=ctx)
+        i["request_num_preemptions"].record(num_preemptions, attrs, context=ctx)
+
+    def step(self, stats: StepStats) -> None:
+        i, attrs = self.i, self.attributes
+        i["num_requests_running"].set(stats.num_running, attrs)
+        i["num_requests_waiting"].set(stats.num_waiting, attrs)
+        i["kv_cache_usage_perc"].set(stats.kv_cache_usage, attrs)
+        if stats.num_batched_tokens is not None:
+            i["iteration_tokens_total"].record(stats.num_batched_tokens, attrs)
+
+    def dropped(self, reason: str, n: int = 1) -> None:
+        self.i["dropped_events"].add(n, {**self.attributes, "reason": reason})
+
+    def latencies(
+        self, ttfts: Sequence[float], itls: Sequence[float], exemplar: Optional[ExemplarIds], ctx: Any
+    ) -> None:
+        for value in ttfts:
+            self.ttft(value, exemplar, ctx)
+        for value in itls:
+            self.tokens(0, value, exemplar, ctx)
+
+    def show_zero_series(self, finish_reasons: Iterable[str], histograms: Iterable[str]) -> None:
+        # An SDK histogram has no point before its first record: only the counter's series.
+        for reason in finish_reasons:
+            self.i["request_success"].add(0, {**self.attributes, self._finish_key: self._limit_finish(reason)})

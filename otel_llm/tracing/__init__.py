@@ -1,0 +1,1 @@
+"""Request spans, their span events, and preemptions as log-based events."""
