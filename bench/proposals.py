@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, cast
 
+from otel_llm.catalogue import drops
 from otel_llm.core import tracker as _t
 from otel_llm.core.tracker import Tracker, TrackerSink
 from otel_llm.events import EventType
@@ -73,7 +74,6 @@ class TrackerOnly:
 def _inline(telemetry: Any) -> None:
     """The TOKENS transition and its metrics inline in ``on_events``: one Python call (the cell's
     ``observe``) per token event; everything else goes through ``Tracker.handle`` unchanged."""
-    from otel_llm.core import tracker as t
 
     tracker, metrics, sink = telemetry.tracker, telemetry.metrics, telemetry._sink
     lock = metrics.lock
@@ -102,11 +102,11 @@ def _inline(telemetry: Any) -> None:
                                         continue
                             handle(event)
                         except (TypeError, AttributeError, ValueError):
-                            sink.dropped(t.INVALID_VALUE, event)
+                            sink.dropped(drops.INVALID_VALUE, event)
                         except Exception:  # noqa: BLE001 - never into the engine, as EngineTelemetry
                             sink.internal_error(event)
                 finally:
-                    metrics.n_generation += generated
+                    metrics.counts["generation_tokens"] += generated
         except Exception:  # noqa: BLE001 - never into the engine, as EngineTelemetry
             sink.internal_error(events)
 

@@ -21,11 +21,12 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from otel_llm._sdk.logs import LogRecordExporter, LogRecordExportResult
-from otel_llm.catalogue.metrics import BY_KEY, METRICS, base_attributes
+from otel_llm.catalogue import drops
+from otel_llm.catalogue.metrics import BY_KEY, FINISH_OBSERVATIONS, METRICS, base_attributes, finish_values, label_key
 from otel_llm.config.settings import TelemetryConfig
-from otel_llm.core import tracker as t
-from otel_llm.core.tracker import RequestState, RequestSummary, Tracker
+from otel_llm.core.tracker import RequestState, Tracker
 from otel_llm.events import EventType, RequestEvent, StepStats
+from otel_llm.summary import RequestSummary
 
 
 class CountingSubscriber:
@@ -67,7 +68,7 @@ class PrometheusClientSubscriber:
         bound: dict[str, Any] = {}
         for m in METRICS:
             name = m.name(config.naming).replace(".", "_")
-            extra = [m.label] if m.label else []
+            extra = [label_key(config, m.label).replace(".", "_")] if m.label else []
             if families is not None:
                 family = self._families[m.key] = families[m.key]
                 if not extra:
@@ -98,8 +99,8 @@ class PrometheusClientSubscriber:
             b["kv_cache_usage_perc"],
         )
         self.h_ttft, self.h_itl = b["time_to_first_token_seconds"], b["inter_token_latency_seconds"]
-        self.h_iteration, self.h_num_preemptions = b["iteration_tokens_total"], b["request_num_preemptions"]
-        self.h_request = {k: b[k] for k in _REQUEST_HISTOGRAMS}
+        self.h_iteration = b["iteration_tokens_total"]
+        self.h_request = {key: b[key] for key, _, _ in FINISH_OBSERVATIONS}
         self.tracker = Tracker(self, config.max_inflight_requests)
 
     def _child(self, cache: dict[str, Any], key: str, value: str) -> Any:
@@ -116,7 +117,7 @@ class PrometheusClientSubscriber:
                 try:
                     handle(event)
                 except Exception:  # noqa: BLE001 - as the telemetry: never into the engine
-                    self.dropped(t.INTERNAL_ERROR, event)
+                    self.dropped(drops.INTERNAL_ERROR, event)
 
     def on_step(self, stats: StepStats) -> None:
         with self.lock:
@@ -153,12 +154,11 @@ class PrometheusClientSubscriber:
     def request_finished(self, req: RequestState, summary: RequestSummary, event: RequestEvent) -> None:
         self._child(self._by_finish, "request_success", summary.finish_reason).inc()
         h = self.h_request
-        for key, value in summary.histogram_values().items():
+        for key, value in finish_values(summary):
             h[key].observe(value)
-        self.h_num_preemptions.observe(summary.num_preemptions)
 
     def request_evicted(self, req: RequestState) -> None:
-        self.dropped(t.EVICTED, req)
+        self.dropped(drops.EVICTED, req)
 
     def dropped(self, reason: str, event: Any) -> None:
         self._child(self._by_drop, "dropped_events", reason).inc()
@@ -187,20 +187,6 @@ class PrometheusClientSubscriber:
             "num_preemptions_hist_sum": value("request_num_preemptions", "_sum"),
             "e2e_sum": value("e2e_request_latency_seconds", "_sum"),
         }
-
-
-_REQUEST_HISTOGRAMS = tuple(
-    m.key
-    for m in METRICS
-    if m.kind == "histogram"
-    and m.key
-    not in (
-        "request_num_preemptions",
-        "time_to_first_token_seconds",
-        "inter_token_latency_seconds",
-        "iteration_tokens_total",
-    )
-)
 
 
 # --------------------------------------------------------------------------- OTel subscribers

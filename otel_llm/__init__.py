@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from otel_llm.lazy import lazy_attributes
+from otel_llm.version import __version__ as __version__
 
 if TYPE_CHECKING:  # the names for type checkers (re-exported); at run time __getattr__ loads them on first use
     from otel_llm.config.settings import TelemetryConfig as TelemetryConfig
@@ -21,7 +22,6 @@ if TYPE_CHECKING:  # the names for type checkers (re-exported); at run time __ge
     from otel_llm.hooks import HookBus as HookBus
     from otel_llm.recording.views import views as views
 
-__version__ = "0.1.0"
 
 _LAZY = {
     "EventType": "otel_llm.events",

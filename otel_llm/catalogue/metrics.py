@@ -8,7 +8,7 @@ Views (metric_views), both recorders (recorder) and the vLLM mirror are built fr
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from otel_llm.config import buckets
 from otel_llm.config.settings import TelemetryConfig
@@ -26,9 +26,15 @@ class MetricDef:
     meaning: str
     buckets: Optional[Callable[[TelemetryConfig], tuple[float, ...]]] = None
     semconv_buckets: Optional[tuple[float, ...]] = None  # where the GenAI conventions advise others
-    label: Optional[str] = None  # extra label: "finished_reason" or "reason"
+    label: Optional[str] = None  # extra label: "finished_reason", "reason" or "drop_reason" (see label_key)
     error_type: bool = False  # semconv: a failed request's observation carries error.type
     explicit_only: bool = False  # explicit buckets even when histograms go out exponential: they are the point
+    # Where the recorders take the value from (routing, declared here rather than in each recorder):
+    # a RequestSummary field at each finished request (not observed when None, nor when the field
+    # ``observed_if`` names is 0), or a StepStats field at each engine step (not observed when None).
+    summary_field: Optional[str] = None
+    observed_if: Optional[str] = None
+    step_field: Optional[str] = None
 
     def exponential(self, config: TelemetryConfig) -> bool:
         return self.kind == "histogram" and config.exponential and not self.explicit_only
@@ -72,6 +78,7 @@ METRICS: tuple[MetricDef, ...] = (
         "Preemptions per finished request, zero included (le=0.5: never preempted).",
         buckets=lambda c: c.preemption_buckets,
         explicit_only=True,
+        summary_field="num_preemptions",
     ),
     MetricDef(
         "num_preemptions",
@@ -131,7 +138,7 @@ METRICS: tuple[MetricDef, ...] = (
         "otel_llm.dropped_events",
         "What the telemetry lost, by reason: invalid or impossible events, evicted requests, "
         "spans and metric points the export path dropped.",
-        label="reason",
+        label="drop_reason",
     ),
     MetricDef(
         "num_requests_running",
@@ -140,6 +147,7 @@ METRICS: tuple[MetricDef, ...] = (
         "vllm:num_requests_running",
         "llm.server.requests.running",
         "Requests running in the last engine step.",
+        step_field="num_running",
     ),
     MetricDef(
         "num_requests_waiting",
@@ -148,6 +156,7 @@ METRICS: tuple[MetricDef, ...] = (
         "vllm:num_requests_waiting",
         "llm.server.requests.waiting",
         "Requests waiting in the last engine step.",
+        step_field="num_waiting",
     ),
     MetricDef(
         "kv_cache_usage_perc",
@@ -156,6 +165,7 @@ METRICS: tuple[MetricDef, ...] = (
         "vllm:kv_cache_usage_perc",
         "llm.server.kv_cache.usage",
         "KV-cache usage, 0 to 1 (1 = full).",
+        step_field="kv_cache_usage",
     ),
     MetricDef(
         "e2e_request_latency_seconds",
@@ -167,6 +177,7 @@ METRICS: tuple[MetricDef, ...] = (
         buckets=_latency,
         semconv_buckets=buckets.GENAI_REQUEST_DURATION,
         error_type=True,
+        summary_field="e2e",
     ),
     MetricDef(
         "time_to_first_token_seconds",
@@ -196,6 +207,7 @@ METRICS: tuple[MetricDef, ...] = (
         "Decode time / (output tokens - 1), per request (0 for a single token).",
         buckets=_const(buckets.INTER_TOKEN_LATENCY),
         semconv_buckets=buckets.GENAI_TIME_PER_OUTPUT_TOKEN,
+        summary_field="time_per_output_token",
     ),
     MetricDef(
         "request_queue_time_seconds",
@@ -205,6 +217,7 @@ METRICS: tuple[MetricDef, ...] = (
         "llm.server.request.queue_time",
         "First QUEUED (or ARRIVED) to first SCHEDULED.",
         buckets=_latency,
+        summary_field="queue_time",
     ),
     MetricDef(
         "request_prefill_time_seconds",
@@ -214,6 +227,7 @@ METRICS: tuple[MetricDef, ...] = (
         "llm.server.request.prefill_time",
         "First SCHEDULED to first token (preemptions included).",
         buckets=_latency,
+        summary_field="prefill_time",
     ),
     MetricDef(
         "request_decode_time_seconds",
@@ -223,6 +237,7 @@ METRICS: tuple[MetricDef, ...] = (
         "llm.server.request.decode_time",
         "First token to last token (preemptions included).",
         buckets=_latency,
+        summary_field="decode_time",
     ),
     MetricDef(
         "request_inference_time_seconds",
@@ -232,6 +247,7 @@ METRICS: tuple[MetricDef, ...] = (
         "llm.server.request.inference_time",
         "First SCHEDULED to last token.",
         buckets=_latency,
+        summary_field="inference_time",
     ),
     MetricDef(
         "request_preempted_time_seconds",
@@ -241,6 +257,8 @@ METRICS: tuple[MetricDef, ...] = (
         "llm.server.request.preempted_time",
         "Time spent back in the queue after preemptions, per request preempted at least once.",
         buckets=_latency,
+        summary_field="preempted_time",
+        observed_if="num_preemptions",
     ),
     MetricDef(
         "request_prompt_tokens",
@@ -250,6 +268,7 @@ METRICS: tuple[MetricDef, ...] = (
         "llm.server.request.prompt_tokens",
         "Prompt tokens per finished request.",
         buckets=request_token_buckets,
+        summary_field="prompt_tokens",
     ),
     MetricDef(
         "request_generation_tokens",
@@ -259,6 +278,7 @@ METRICS: tuple[MetricDef, ...] = (
         "llm.server.request.generation_tokens",
         "Output tokens per finished request.",
         buckets=request_token_buckets,
+        summary_field="generation_tokens",
     ),
     MetricDef(
         "request_params_max_tokens",
@@ -268,6 +288,8 @@ METRICS: tuple[MetricDef, ...] = (
         "llm.server.request.max_tokens",
         "The max_tokens parameter per finished request (when set).",
         buckets=request_token_buckets,
+        summary_field="max_tokens",
+        observed_if="max_tokens",
     ),
     MetricDef(
         "iteration_tokens_total",
@@ -277,17 +299,41 @@ METRICS: tuple[MetricDef, ...] = (
         "llm.server.iteration.tokens",
         "Tokens computed per engine step (prefill + decode).",
         buckets=_const(buckets.ITERATION_TOKENS),
+        step_field="num_batched_tokens",
     ),
 )
 BY_KEY = {m.key: m for m in METRICS}
+# Observed at each finished request: (metric key, RequestSummary field, field that must be non-zero).
+FINISH_OBSERVATIONS = tuple((m.key, m.summary_field, m.observed_if) for m in METRICS if m.summary_field)
+# Set or observed at each engine step: (metric key, StepStats field).
+STEP_GAUGES = tuple((m.key, m.step_field) for m in METRICS if m.step_field and m.kind == "gauge")
+STEP_HISTOGRAMS = tuple((m.key, m.step_field) for m in METRICS if m.step_field and m.kind == "histogram")
+
+
+def finish_values(summary: Any) -> Iterator[tuple[str, float]]:
+    """(metric key, value) of each observation a finished request makes (a RequestSummary)."""
+    for key, field, observed_if in FINISH_OBSERVATIONS:
+        if observed_if is not None and not getattr(summary, observed_if):
+            continue
+        value = getattr(summary, field)
+        if value is not None:
+            yield key, value
+
 
 _LABEL_KEYS = {
-    "vllm": {"model": "model_name", "engine": "engine", "finished_reason": "finished_reason", "reason": "reason"},
+    "vllm": {
+        "model": "model_name",
+        "engine": "engine",
+        "finished_reason": "finished_reason",
+        "reason": "reason",
+        "drop_reason": "reason",
+    },
     "semconv": {
         "model": "gen_ai.request.model",
         "engine": "llm.engine",
         "finished_reason": "gen_ai.response.finish_reason",
         "reason": "llm.preemption.reason",
+        "drop_reason": "reason",
     },
 }
 
@@ -314,4 +360,5 @@ def error_attributes(config: TelemetryConfig) -> Optional[dict[str, str]]:
 
 
 def label_key(config: TelemetryConfig, label: str) -> str:
-    return "reason" if label == "reason" and config.naming == "vllm" else _LABEL_KEYS[config.naming][label]
+    """The attribute name of a metric's extra label (``MetricDef.label``) in the config's profile."""
+    return _LABEL_KEYS[config.naming][label]

@@ -1,6 +1,7 @@
 """The tracker's sink: what becomes of a request's lifecycle — metrics, its span, preemption events.
 
-Called by the Tracker (and by EngineTelemetry.record_finished) under the recorder's lock.
+Called by the Tracker, and with a finished request's summary alone by
+EngineTelemetry.record_finished (engines that hand over derived stats), under the recorder's lock.
 """
 
 from __future__ import annotations
@@ -11,10 +12,11 @@ from typing import Any, Optional
 
 from opentelemetry.context import Context
 
-from otel_llm.core import tracker as t
-from otel_llm.core.tracker import RequestState, RequestSummary
+from otel_llm.catalogue import drops
+from otel_llm.core.tracker import RequestState
 from otel_llm.events import RequestEvent
 from otel_llm.recording.recorder import Recorder
+from otel_llm.summary import RequestSummary
 from otel_llm.tracing.log_events import LogEvents
 from otel_llm.tracing.spans import RequestSpans
 
@@ -104,7 +106,7 @@ class RequestSink:
         self.finish(req, summary, extra)
 
     def request_evicted(self, req: RequestState) -> None:
-        self.dropped(t.EVICTED, req)
+        self.dropped(drops.EVICTED, req)
         if req.span is not None:
             self.spans.abandon(req.span, req.last_ts, "evicted")  # type: ignore[union-attr]  # a req.span implies self.spans
 
@@ -115,10 +117,15 @@ class RequestSink:
     def preemption_event(
         self, req: RequestState, ordinal: int, ts: float, num_computed_tokens: int, reason: str
     ) -> None:
+        self._preemption_event(req.request_id, req.span, ordinal, ts, num_computed_tokens, reason)
+
+    def _preemption_event(
+        self, request_id: str, span: Any, ordinal: int, ts: float, num_computed_tokens: int, reason: str
+    ) -> None:
         """The one place a preemption becomes an event: span event and/or log record, per config."""
-        if req.span is not None and self._span_events:
-            self.spans.event(  # type: ignore[union-attr]  # a req.span implies self.spans
-                req.span,
+        if span is not None and self._span_events:
+            self.spans.event(  # type: ignore[union-attr]  # a span implies self.spans
+                span,
                 "preempted",
                 ts,
                 {
@@ -128,30 +135,53 @@ class RequestSink:
                 },
             )
         if self.log_events is not None:
-            self.log_events.preempted(req.request_id, req.span, ordinal, ts, num_computed_tokens, reason)
+            self.log_events.preempted(request_id, span, ordinal, ts, num_computed_tokens, reason)
 
     def start_span(self, req: RequestState, carrier: Any, attributes: dict[str, Any]) -> None:
-        if self.spans is None:
-            req.exemplar, req.ctx = self.spanless_exemplar, EMPTY_CONTEXT
-            return
-        if req.max_tokens > 0:
-            attributes["gen_ai.request.max_tokens"] = req.max_tokens
-        req.span = self.spans.start(req.request_id, req.arrival, carrier, attributes)
-        req.exemplar, req.ctx = self.spans.exemplar(req.span)
+        req.span, req.exemplar, req.ctx = self._open_span(
+            req.request_id, req.arrival, req.max_tokens, carrier, attributes
+        )
 
-    def finish(
-        self, req: RequestState, summary: RequestSummary, extra: Optional[dict[str, Any]], metrics: bool = True
+    def _open_span(
+        self, request_id: str, arrival: float, max_tokens: int, carrier: Any, attributes: dict[str, Any]
+    ) -> tuple[Any, Any, Any]:
+        """(span, exemplar ids, context) of a new request span; no span when spans are off."""
+        if self.spans is None:
+            return None, self.spanless_exemplar, EMPTY_CONTEXT
+        if max_tokens > 0:
+            attributes["gen_ai.request.max_tokens"] = max_tokens
+        span = self.spans.start(request_id, arrival, carrier, attributes)
+        exemplar, ctx = self.spans.exemplar(span)
+        return span, exemplar, ctx
+
+    def finish(self, req: RequestState, summary: RequestSummary, extra: Optional[dict[str, Any]]) -> None:
+        self._finish(req.span, req.exemplar, req.ctx, summary, extra, True)
+
+    def _finish(
+        self,
+        span: Any,
+        exemplar: Any,
+        ctx: Any,
+        summary: RequestSummary,
+        extra: Optional[dict[str, Any]],
+        metrics: bool,
     ) -> None:
         if metrics:
-            self.metrics.finished(
-                summary.histogram_values(), summary.finish_reason, summary.num_preemptions, req.exemplar, req.ctx
-            )
-        if req.span is not None:
-            self.spans.end(req.span, summary, extra)  # type: ignore[union-attr]  # a req.span implies self.spans
+            self.metrics.finished(summary, exemplar, ctx)
+        if span is not None:
+            self.spans.end(span, summary, extra)  # type: ignore[union-attr]  # a span implies self.spans
+
+    def summary_finished(self, summary: RequestSummary, carrier: Any, metrics: bool) -> None:
+        """A request known only by its summary: its span (from arrival to finish, with the
+        preemptions the summary lists) and, unless ``metrics`` is False, its observations."""
+        span, exemplar, ctx = self._open_span(summary.request_id, summary.arrival_time, summary.max_tokens, carrier, {})
+        for ordinal, (ts, tokens, reason) in enumerate(summary.preemptions, 1):
+            self._preemption_event(summary.request_id, span, ordinal, ts, tokens, reason)
+        self._finish(span, exemplar, ctx, summary, None, metrics)
 
     def internal_error(self, event: Any) -> None:
         try:
-            self.metrics.dropped(t.INTERNAL_ERROR)
-            self._drops.note(t.INTERNAL_ERROR, event, exc_info=True)
+            self.metrics.dropped(drops.INTERNAL_ERROR)
+            self._drops.note(drops.INTERNAL_ERROR, event, exc_info=True)
         except Exception:  # noqa: BLE001 - the last line of defence
             pass

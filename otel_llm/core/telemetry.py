@@ -9,7 +9,7 @@ Event batches are kept and applied together every ``defer_steps`` engine steps (
 setup_telemetry; a hand-built EngineTelemetry applies each at once unless set): between two
 steps the model's work evicts the CPU caches, and the telemetry's code and data then cost
 several times more than when warm (engine_stub: ~3 us per TOKENS event cold, 0.5 us warm). A
-reader's collection (the metric hub's callbacks), an idle engine step, flush() and shutdown()
+reader's collection (the provider instruments' callbacks), an idle engine step, flush() and shutdown()
 apply what is pending first, so no reader ever sees a partial picture.
 """
 
@@ -23,15 +23,17 @@ from typing import Any, Iterable, Optional, Sequence
 from opentelemetry import metrics as metrics_api
 
 from otel_llm import _sdk
+from otel_llm.catalogue import drops
 from otel_llm.config.settings import TelemetryConfig
 from otel_llm.core import tracker as t
 from otel_llm.core.sink import EMPTY_CONTEXT, RequestSink
-from otel_llm.core.tracker import RequestState, RequestSummary, Tracker
+from otel_llm.core.tracker import Tracker
 from otel_llm.events import RequestEvent, StepStats
-from otel_llm.recording.in_process import FastMetrics
+from otel_llm.recording.in_process import InProcessRecorder
 from otel_llm.recording.recorder import Recorder
-from otel_llm.recording.sdk import SdkMetrics
+from otel_llm.recording.sdk import SdkRecorder
 from otel_llm.recording.views import provider_has_views
+from otel_llm.summary import RequestSummary
 from otel_llm.tracing.log_events import LogEvents
 from otel_llm.tracing.spans import request_spans
 
@@ -48,7 +50,7 @@ def _recorder(meter_provider: Any, config: TelemetryConfig, metric_path: str) ->
     in_process = metric_path == "in_process"
     if metric_path == "auto":
         if not _sdk.in_process_metrics(config.exponential):
-            return SdkMetrics(meter_provider, config)  # _sdk's start-up warning says why
+            return SdkRecorder(meter_provider, config)  # _sdk's start-up warning says why
         in_process = provider_has_views(meter_provider, config)
         if not in_process and id(meter_provider) not in _warned_providers:
             _warned_providers.add(id(meter_provider))
@@ -57,7 +59,7 @@ def _recorder(meter_provider: Any, config: TelemetryConfig, metric_path: str) ->
                 "and buckets are the SDK's defaults and every observation goes through the SDK. "
                 "Build it with MeterProvider(views=otel_llm.views(config), ...)."
             )
-    return (FastMetrics if in_process else SdkMetrics)(meter_provider, config)
+    return (InProcessRecorder if in_process else SdkRecorder)(meter_provider, config)
 
 
 class EngineTelemetry:
@@ -106,12 +108,12 @@ class EngineTelemetry:
         )
         self.tracker = Tracker(self._sink, config.max_inflight_requests)
         self._pending: deque[tuple[RequestEvent, ...]] = deque()
-        # Deferred only where every collection applies the pending batches first (the hub's
+        # Deferred only where every collection applies the pending batches first (the instruments'
         # callbacks); the SDK path records as it goes.
-        hub = self.metrics.hub if isinstance(self.metrics, FastMetrics) else None
-        self._defer_steps = (config.defer_steps or 1) if hub is not None else 1
-        if hub is not None and self._defer_steps > 1:
-            hub.deferring.add(self)
+        instruments = self.metrics.instruments if isinstance(self.metrics, InProcessRecorder) else None
+        self._defer_steps = (config.defer_steps or 1) if instruments is not None else 1
+        if instruments is not None and self._defer_steps > 1:
+            instruments.deferring.add(self)
         self._closed = False
 
     # -- the hook bus interface ----------------------------------------------------------
@@ -135,7 +137,7 @@ class EngineTelemetry:
                     try:
                         handle(event)
                     except (TypeError, AttributeError, ValueError):
-                        self._sink.dropped(t.INVALID_VALUE, event)
+                        self._sink.dropped(drops.INVALID_VALUE, event)
                     except Exception:  # noqa: BLE001 - never into the engine
                         self._sink.internal_error(event)
 
@@ -153,7 +155,7 @@ class EngineTelemetry:
                 if valid:
                     self.metrics.step(stats)
                 else:
-                    self._sink.dropped(t.INVALID_VALUE, stats)
+                    self._sink.dropped(drops.INVALID_VALUE, stats)
             if valid and self._pending and stats.num_running == 0 and stats.num_waiting == 0:
                 self.apply_pending()  # the engine went idle: nothing left to slow down
         except Exception:  # noqa: BLE001 - never into the engine
@@ -169,18 +171,7 @@ class EngineTelemetry:
         ``metrics=False``: the span only (a request the engine's own metrics do not count)."""
         try:
             with self.metrics.lock:
-                req = RequestState(
-                    summary.request_id,
-                    summary.arrival_time,
-                    summary.prompt_tokens,
-                    summary.max_tokens,
-                    summary.cached_tokens,
-                )
-                sink = self._sink
-                sink.start_span(req, trace_context, {})
-                for ordinal, (ts, tokens, reason) in enumerate(summary.preemptions, 1):
-                    sink.preemption_event(req, ordinal, ts, tokens, reason)
-                sink.finish(req, summary, None, metrics)
+                self._sink.summary_finished(summary, trace_context, metrics)
         except Exception:  # noqa: BLE001 - never into the engine
             self._sink.internal_error(summary)
 

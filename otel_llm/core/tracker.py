@@ -14,44 +14,11 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol
 
+from otel_llm.catalogue import drops
 from otel_llm.events import EventType, RequestEvent
-
-# Drop reasons (the ``reason`` label of the dropped-events counter).
-UNKNOWN_REQUEST = "unknown_request"
-DUPLICATE_ARRIVAL = "duplicate_arrival"
-DUPLICATE_FINISH = "duplicate_finish"
-AFTER_FINISH = "after_finish"
-TIME_BACKWARDS = "time_backwards"
-INVALID_VALUE = "invalid_value"
-INVALID_TRANSITION = "invalid_transition"
-UNKNOWN_EVENT_TYPE = "unknown_event_type"
-EVICTED = "evicted"  # a whole request, pushed out by the in-flight cap
-INTERNAL_ERROR = "internal_error"
-# What the export path lost, counted in items by otel_llm.export.setup; listed here so that every
-# reason's series exists (at 0) from the start.
-SPANS_QUEUE_FULL = "spans_queue_full"  # BatchSpanProcessor queue full (collector slow or down)
-SPANS_AFTER_SHUTDOWN = "spans_after_shutdown"
-SPANS_EXPORT_FAILED = "spans_export_failed"  # the exporter gave up on a batch (after its retries)
-METRIC_POINTS_EXPORT_FAILED = "metric_points_export_failed"  # cumulative: the next export carries them
-DROP_REASONS = (
-    UNKNOWN_REQUEST,
-    DUPLICATE_ARRIVAL,
-    DUPLICATE_FINISH,
-    AFTER_FINISH,
-    TIME_BACKWARDS,
-    INVALID_VALUE,
-    INVALID_TRANSITION,
-    UNKNOWN_EVENT_TYPE,
-    EVICTED,
-    INTERNAL_ERROR,
-    SPANS_QUEUE_FULL,
-    SPANS_AFTER_SHUTDOWN,
-    SPANS_EXPORT_FAILED,
-    METRIC_POINTS_EXPORT_FAILED,
-)
+from otel_llm.summary import RequestSummary
 
 MAX_ID_LENGTH = 256  # longer request ids are rejected: ids go into span attributes
 # Timestamps are monotonic seconds (>= 0); beyond this (~317 years) a span time no longer fits
@@ -108,62 +75,6 @@ class RequestState:
         self.span: Any = None  # set by the sink: the request span, exemplar ids, context
         self.exemplar: Any = None
         self.ctx: Any = None
-
-
-@dataclass(frozen=True)
-class RequestSummary:
-    """Everything derived for one finished request. Times: engine monotonic seconds.
-
-    ``None`` means unknown (e.g. a request aborted before it was scheduled has no queue time);
-    unknown values are not observed. ``preemptions`` lists (timestamp, num_computed_tokens,
-    reason) where the source knows them.
-    """
-
-    request_id: str
-    finish_reason: str
-    arrival_time: float
-    finish_time: float
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    max_tokens: int = 0
-    num_preemptions: int = 0
-    queue_time: Optional[float] = None
-    ttft: Optional[float] = None
-    prefill_time: Optional[float] = None
-    decode_time: Optional[float] = None
-    inference_time: Optional[float] = None
-    time_per_output_token: Optional[float] = None
-    preempted_time: Optional[float] = 0.0
-    recomputed_tokens: int = 0
-    cached_tokens: int = 0
-    preemptions: tuple[tuple[float, int, str], ...] = ()
-
-    @property
-    def e2e(self) -> float:
-        return self.finish_time - self.arrival_time
-
-    def histogram_values(self) -> dict[str, float]:
-        """Per-request histogram observations, by metric key (request_num_preemptions apart)."""
-        values: dict[str, float] = {
-            "e2e_request_latency_seconds": self.e2e,
-            "request_prompt_tokens": self.prompt_tokens,
-            "request_generation_tokens": self.generation_tokens,
-        }
-        optional = (
-            ("request_queue_time_seconds", self.queue_time),
-            ("request_prefill_time_seconds", self.prefill_time),
-            ("request_decode_time_seconds", self.decode_time),
-            ("request_inference_time_seconds", self.inference_time),
-            ("request_time_per_output_token_seconds", self.time_per_output_token),
-        )
-        for key, value in optional:
-            if value is not None:
-                values[key] = value
-        if self.max_tokens > 0:
-            values["request_params_max_tokens"] = self.max_tokens
-        if self.num_preemptions > 0 and self.preempted_time is not None:
-            values["request_preempted_time_seconds"] = self.preempted_time
-        return values
 
 
 def summarize(req: RequestState, ts: float, finish_reason: str) -> RequestSummary:
@@ -248,7 +159,7 @@ class Tracker:
                     return
         handler = self._handlers.get(kind)
         if handler is None:
-            self.sink.dropped(UNKNOWN_EVENT_TYPE, event)
+            self.sink.dropped(drops.UNKNOWN_EVENT_TYPE, event)
             return
         if kind is _ARRIVED:
             self._arrived(event)
@@ -259,10 +170,10 @@ class Tracker:
             return
         ts = event.timestamp
         if not ts >= req.last_ts:  # also catches NaN
-            self.sink.dropped(TIME_BACKWARDS if _finite(ts) else INVALID_VALUE, event)
+            self.sink.dropped(drops.TIME_BACKWARDS if _finite(ts) else drops.INVALID_VALUE, event)
             return
         if ts > MAX_TIMESTAMP:  # +inf passes the check above and would poison every sum it reaches
-            self.sink.dropped(INVALID_VALUE, event)
+            self.sink.dropped(drops.INVALID_VALUE, event)
             return
         handler(event, req)
 
@@ -271,14 +182,14 @@ class Tracker:
         try:
             finished = rid in self.finished
         except TypeError:  # unhashable id
-            self.sink.dropped(INVALID_VALUE, event)
+            self.sink.dropped(drops.INVALID_VALUE, event)
             return
         if not finished:
-            self.sink.dropped(UNKNOWN_REQUEST, event)
+            self.sink.dropped(drops.UNKNOWN_REQUEST, event)
         elif event.type is EventType.FINISHED:
-            self.sink.dropped(DUPLICATE_FINISH, event)
+            self.sink.dropped(drops.DUPLICATE_FINISH, event)
         else:
-            self.sink.dropped(AFTER_FINISH, event)
+            self.sink.dropped(drops.AFTER_FINISH, event)
 
     def _arrived(self, event: RequestEvent) -> None:
         rid, ts = event.request_id, event.timestamp
@@ -290,10 +201,10 @@ class Tracker:
             or not is_count(event.max_tokens)
             or not is_count(event.num_cached_tokens)
         ):
-            self.sink.dropped(INVALID_VALUE, event)
+            self.sink.dropped(drops.INVALID_VALUE, event)
             return
         if rid in self.inflight:
-            self.sink.dropped(DUPLICATE_ARRIVAL, event)
+            self.sink.dropped(drops.DUPLICATE_ARRIVAL, event)
             return
         self.finished.pop(rid, None)  # an id may be reused once its request has finished
         if len(self.inflight) >= self.max_inflight:
@@ -306,7 +217,7 @@ class Tracker:
 
     def _queued(self, event: RequestEvent, req: RequestState) -> None:
         if req.running:
-            self.sink.dropped(INVALID_TRANSITION, event)
+            self.sink.dropped(drops.INVALID_TRANSITION, event)
             return
         req.last_ts = event.timestamp
         if req.queued is None:
@@ -314,7 +225,7 @@ class Tracker:
 
     def _scheduled(self, event: RequestEvent, req: RequestState) -> None:
         if req.running:
-            self.sink.dropped(INVALID_TRANSITION, event)
+            self.sink.dropped(drops.INVALID_TRANSITION, event)
             return
         ts = req.last_ts = event.timestamp
         req.running = True
@@ -329,10 +240,10 @@ class Tracker:
 
     def _preempted(self, event: RequestEvent, req: RequestState) -> None:
         if not req.running:
-            self.sink.dropped(INVALID_TRANSITION, event)
+            self.sink.dropped(drops.INVALID_TRANSITION, event)
             return
         if not is_count(event.num_computed_tokens) or type(event.reason) is not str:
-            self.sink.dropped(INVALID_VALUE, event)
+            self.sink.dropped(drops.INVALID_VALUE, event)
             return
         req.last_ts = req.preempted_at = event.timestamp
         req.running = False
@@ -342,7 +253,7 @@ class Tracker:
 
     def _first_token(self, event: RequestEvent, req: RequestState) -> None:
         if req.first_token is not None:
-            self.sink.dropped(INVALID_TRANSITION, event)
+            self.sink.dropped(drops.INVALID_TRANSITION, event)
             return
         req.last_ts = req.first_token = event.timestamp
         self.sink.first_token(req, event.timestamp)
@@ -350,7 +261,7 @@ class Tracker:
     def _tokens(self, event: RequestEvent, req: RequestState) -> None:
         n = event.num_tokens
         if type(n) is not int or n < 0:
-            self.sink.dropped(INVALID_VALUE, event)
+            self.sink.dropped(drops.INVALID_VALUE, event)
             return
         ts = req.last_ts = event.timestamp
         if req.first_token is None:
@@ -364,7 +275,7 @@ class Tracker:
     def _finished(self, event: RequestEvent, req: RequestState) -> None:
         reason = event.finish_reason
         if type(reason) is not str:
-            self.sink.dropped(INVALID_VALUE, event)
+            self.sink.dropped(drops.INVALID_VALUE, event)
             return
         del self.inflight[req.request_id]
         self._remember_finished(req.request_id)

@@ -21,7 +21,10 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, Spa
 from otel_llm import _sdk
 from otel_llm._sdk import batch_processor, metric_exporter
 from otel_llm._sdk.logs import BatchLogRecordProcessor, LogRecordExporter, LogRecordExportResult
-from otel_llm.core.tracker import (
+from otel_llm.catalogue.drops import (
+    LOG_RECORDS_AFTER_SHUTDOWN,
+    LOG_RECORDS_EXPORT_FAILED,
+    LOG_RECORDS_QUEUE_FULL,
     METRIC_POINTS_EXPORT_FAILED,
     SPANS_AFTER_SHUTDOWN,
     SPANS_EXPORT_FAILED,
@@ -34,9 +37,6 @@ if TYPE_CHECKING:
 _log = logging.getLogger(__name__)
 
 # Log records (preemption log events) lost on the way out, by reason.
-LOG_RECORDS_QUEUE_FULL = "log_records_queue_full"
-LOG_RECORDS_AFTER_SHUTDOWN = "log_records_after_shutdown"
-LOG_RECORDS_EXPORT_FAILED = "log_records_export_failed"
 
 
 class ExportAccounting:

@@ -1,7 +1,7 @@
 """The fast path: plain-Python accumulation on the engine's thread, read by the SDK at collect time.
 
-One hub per MeterProvider owns the instruments, the histogram cells and the lock of every
-engine recording into that provider.
+One set of instruments per MeterProvider (:class:`ProviderInstruments`) owns the observable
+instruments, the histogram cells and the lock of every engine recording into that provider.
 """
 
 from __future__ import annotations
@@ -14,37 +14,34 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 from opentelemetry.metrics import CallbackOptions, Meter, MeterProvider, Observation
 
-from otel_llm import __version__
-from otel_llm.catalogue.metrics import BY_KEY, METRICS, SCOPE, base_attributes, error_attributes, label_key
+from otel_llm.catalogue.drops import DROP_REASONS
+from otel_llm.catalogue.metrics import (
+    BY_KEY,
+    FINISH_OBSERVATIONS,
+    METRICS,
+    SCOPE,
+    STEP_GAUGES,
+    STEP_HISTOGRAMS,
+    base_attributes,
+    error_attributes,
+    label_key,
+)
 from otel_llm.config.labels import LabelLimiter
 from otel_llm.config.settings import TelemetryConfig
-from otel_llm.core.tracker import DROP_REASONS
 from otel_llm.events import StepStats
 from otel_llm.recording.cells import ExemplarIds, ExponentialHistogramCell, HistogramCell
-from otel_llm.recording.recorder import Recorder
+from otel_llm.recording.recorder import GaugeSource
+from otel_llm.summary import RequestSummary
+from otel_llm.version import __version__
 
 _log = logging.getLogger(__name__)
 
-# Per-request histograms recorded at finish, by metric key (request_num_preemptions apart: an int).
-_REQUEST_HISTOGRAMS = (
-    "e2e_request_latency_seconds",
-    "request_time_per_output_token_seconds",
-    "request_queue_time_seconds",
-    "request_prefill_time_seconds",
-    "request_decode_time_seconds",
-    "request_inference_time_seconds",
-    "request_preempted_time_seconds",
-    "request_prompt_tokens",
-    "request_generation_tokens",
-    "request_params_max_tokens",
-)
 
-
-class _Hub:
+class ProviderInstruments:
     """The instruments of one MeterProvider: created once, read from every engine's recorder.
 
     The SDK returns an already registered asynchronous instrument without its new callbacks,
-    so engines sharing a provider (data-parallel ranks, tests) share one hub whose callbacks
+    so engines sharing a provider (data-parallel ranks, tests) share one ProviderInstruments whose callbacks
     read them all.
     """
 
@@ -53,7 +50,7 @@ class _Hub:
         # Serialises writers (engines). Collection never takes it, so recording into the SDK
         # while holding it cannot deadlock with a reader's collect.
         self.lock = threading.Lock()
-        self.recorders: "weakref.WeakSet[FastMetrics]" = weakref.WeakSet()
+        self.recorders: "weakref.WeakSet[InProcessRecorder]" = weakref.WeakSet()
         self.cells: dict[tuple[str, tuple], HistogramCell] = {}
         # Cells exported from their creation, at zero until observed (show_zero_series).
         self.shown: set[int] = set()
@@ -104,7 +101,7 @@ class _Hub:
         def callback(_: CallbackOptions) -> Iterator[Observation]:
             self.before_collect()
             for recorder in list(self.recorders):
-                value = recorder.gauges.get(key)
+                value = recorder.gauge_value(key)
                 if value is not None:
                     yield Observation(value, recorder.attributes)
 
@@ -120,136 +117,140 @@ class _Hub:
         return callback
 
 
-_hubs: "weakref.WeakKeyDictionary[Any, _Hub]" = weakref.WeakKeyDictionary()
-_hubs_lock = threading.Lock()
+_by_provider: "weakref.WeakKeyDictionary[Any, ProviderInstruments]" = weakref.WeakKeyDictionary()
+_instruments_lock = threading.Lock()
 
 
 def _new_locks_after_fork() -> None:
     """In a forked child, a lock that another thread of the parent held stays held forever
     (that thread does not exist in the child)."""
-    global _hubs_lock
-    _hubs_lock = threading.Lock()
-    for hub in list(_hubs.values()):
-        hub.lock = threading.Lock()
+    global _instruments_lock
+    _instruments_lock = threading.Lock()
+    for instruments in list(_by_provider.values()):
+        instruments.lock = threading.Lock()
 
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_new_locks_after_fork)
 
 
-def _hub_for(meter_provider: MeterProvider, config: TelemetryConfig) -> _Hub:
-    with _hubs_lock:
-        hub = _hubs.get(meter_provider)
-        if hub is None:
-            hub = _hubs[meter_provider] = _Hub(meter_provider.get_meter(SCOPE, __version__), config)
-        elif hub.naming != config.naming:
+def _instruments_for(meter_provider: MeterProvider, config: TelemetryConfig) -> ProviderInstruments:
+    with _instruments_lock:
+        instruments = _by_provider.get(meter_provider)
+        if instruments is None:
+            instruments = _by_provider[meter_provider] = ProviderInstruments(
+                meter_provider.get_meter(SCOPE, __version__), config
+            )
+        elif instruments.naming != config.naming:
             raise ValueError(
-                f"naming: {config.naming!r} differs from {hub.naming!r}, already used on this MeterProvider; "
+                f"naming: {config.naming!r} differs from {instruments.naming!r}, already used on this MeterProvider; "
                 "one naming profile per provider"
             )
-        return hub
+        return instruments
 
 
-class FastMetrics(Recorder):
+class InProcessRecorder:
     """Plain-Python accumulation on the hot path; the SDK reads it at collect time."""
 
+    takes_gauge_source = True
+
     def __init__(self, meter_provider: MeterProvider, config: TelemetryConfig) -> None:
-        self.hub = _hub_for(meter_provider, config)
+        self.instruments = _instruments_for(meter_provider, config)
         self.config = config
         self.attributes = base_attributes(config)
-        self._reason_key = label_key(config, "reason")
-        self._finish_key = label_key(config, "finished_reason")
         self._limit_reason = LabelLimiter(config.max_label_values)
         self._limit_finish = LabelLimiter(config.max_label_values)
         self.gauges: dict[str, float] = {}
-        self.n_preemptions = 0
-        self.n_recomputed = 0
-        self.n_prompt = 0
-        self.n_generation = 0
-        self.by_reason: dict[str, int] = {}
-        self.by_finish: dict[str, int] = {}
+        self._gauge_source: Optional[GaugeSource] = None
+        # Counters by metric key: unlabelled ones are an int, labelled ones an int per label value.
+        self.counts: dict[str, int] = {m.key: 0 for m in METRICS if m.kind == "counter" and m.label is None}
+        self.labelled: dict[str, dict[str, int]] = {m.key: {} for m in METRICS if m.kind == "counter" and m.label}
+        self._label_keys = {key: label_key(config, BY_KEY[key].label or "") for key in self.labelled}
+        self.by_reason = self.labelled["num_preemptions_by_reason"]
+        self.by_finish = self.labelled["request_success"]
         # Every reason exported from the start at 0: Prometheus' increase() misses a counter
         # series whose first sample is already 1.
-        self.drops: dict[str, int] = dict.fromkeys(DROP_REASONS, 0)
+        self.drops = self.labelled["dropped_events"]
+        self.drops.update(dict.fromkeys(DROP_REASONS, 0))
         cell = self._cell
         self.h_ttft = cell("time_to_first_token_seconds")
         self.h_itl = cell("inter_token_latency_seconds")
-        self.h_iteration = cell("iteration_tokens_total")
-        self.request_cells = {k: cell(k) for k in _REQUEST_HISTOGRAMS}
+        self.step_cells = [(cell(key), field) for key, field in STEP_HISTOGRAMS]
+        # (cell, RequestSummary field, field that must be non-zero) per finish observation.
+        self.finish_cells = [(cell(key), field, observed_if) for key, field, observed_if in FINISH_OBSERVATIONS]
         errors = error_attributes(config)
         # The same cells for a failed request, except error.type where the conventions ask for it.
-        self.error_cells = (
-            {k: cell(k, errors) if BY_KEY[k].error_type else c for k, c in self.request_cells.items()}
+        self.error_finish_cells = (
+            [
+                (cell(key, errors) if BY_KEY[key].error_type else c, field, observed_if)
+                for (c, field, observed_if), (key, _, _) in zip(self.finish_cells, FINISH_OBSERVATIONS)
+            ]
             if errors
-            else self.request_cells
+            else self.finish_cells
         )
-        self.h_preemptions = cell("request_num_preemptions")
-        self.hub.recorders.add(self)
+        self.instruments.recorders.add(self)
 
     @property
-    def lock(self) -> threading.Lock:  # the hub's: engines of one provider share its cells
-        return self.hub.lock
+    def lock(self) -> threading.Lock:  # the provider's: engines of one provider share its cells
+        return self.instruments.lock
 
     def _cell(self, key: str, attributes: Optional[dict[str, str]] = None) -> HistogramCell:
         m = BY_KEY[key]
-        return self.hub.cell(key, m.boundaries(self.config), attributes or self.attributes, m.exponential(self.config))
+        return self.instruments.cell(
+            key, m.boundaries(self.config), attributes or self.attributes, m.exponential(self.config)
+        )
 
     def counter_values(self, key: str) -> Iterable[tuple[dict[str, str], int]]:
-        if key == "num_preemptions":
-            return [(self.attributes, self.n_preemptions)]
-        if key == "num_recomputed_tokens":
-            return [(self.attributes, self.n_recomputed)]
-        if key == "prompt_tokens":
-            return [(self.attributes, self.n_prompt)]
-        if key == "generation_tokens":
-            return [(self.attributes, self.n_generation)]
-        labelled = {
-            "num_preemptions_by_reason": (self.by_reason, self._reason_key),
-            "request_success": (self.by_finish, self._finish_key),
-            "dropped_events": (self.drops, "reason"),
-        }[key]
-        values, label = labelled
-        return [({**self.attributes, label: v}, n) for v, n in list(values.items())]
+        count = self.counts.get(key)
+        if count is not None:
+            return [(self.attributes, count)]
+        label = self._label_keys[key]
+        return [({**self.attributes, label: v}, n) for v, n in list(self.labelled[key].items())]
+
+    def gauge_value(self, key: str) -> Optional[float]:
+        source = self._gauge_source
+        return self.gauges.get(key) if source is None else source(key)
+
+    def set_gauge_source(self, source: GaugeSource) -> None:
+        self._gauge_source = source
 
     def preempted(self, reason: str, num_computed_tokens: int) -> None:
-        self.n_preemptions += 1
-        self.n_recomputed += num_computed_tokens
+        counts = self.counts
+        counts["num_preemptions"] += 1
+        counts["num_recomputed_tokens"] += num_computed_tokens
         reason = self._limit_reason(reason)
         self.by_reason[reason] = self.by_reason.get(reason, 0) + 1
 
     def prompt_tokens(self, n: int) -> None:
-        self.n_prompt += n
+        self.counts["prompt_tokens"] += n
 
     def ttft(self, seconds: float, exemplar: Optional[ExemplarIds], ctx: Any) -> None:
         self.h_ttft.observe(seconds, exemplar)
 
     def tokens(self, n: int, itl: Optional[float], exemplar: Optional[ExemplarIds], ctx: Any) -> None:
-        self.n_generation += n
+        self.counts["generation_tokens"] += n
         if itl is not None:
             self.h_itl.observe(itl, exemplar)
 
-    def finished(
-        self,
-        values: dict[str, float],
-        finish_reason: str,
-        num_preemptions: int,
-        exemplar: Optional[ExemplarIds],
-        ctx: Any,
-    ) -> None:
+    def finished(self, summary: RequestSummary, exemplar: Optional[ExemplarIds], ctx: Any) -> None:
+        finish_reason = summary.finish_reason
         reason = self._limit_finish(finish_reason)
         self.by_finish[reason] = self.by_finish.get(reason, 0) + 1
-        cells = self.error_cells if finish_reason == "error" else self.request_cells
-        for key, value in values.items():
-            cells[key].observe(value, exemplar)
-        self.h_preemptions.observe(num_preemptions, exemplar)
+        for cell, field, observed_if in self.error_finish_cells if finish_reason == "error" else self.finish_cells:
+            if observed_if is not None and not getattr(summary, observed_if):
+                continue
+            value = getattr(summary, field)
+            if value is not None:
+                cell.observe(value, exemplar)
 
     def step(self, stats: StepStats) -> None:
         gauges = self.gauges
-        gauges["num_requests_running"] = stats.num_running
-        gauges["num_requests_waiting"] = stats.num_waiting
-        gauges["kv_cache_usage_perc"] = stats.kv_cache_usage
-        if stats.num_batched_tokens is not None:
-            self.h_iteration.observe(stats.num_batched_tokens)
+        for key, field in STEP_GAUGES:
+            gauges[key] = getattr(stats, field)
+        for cell, field in self.step_cells:
+            value = getattr(stats, field)
+            if value is not None:
+                cell.observe(value)
 
     def dropped(self, reason: str, n: int = 1) -> None:
         self.drops[reason] = self.drops.get(reason, 0) + n
@@ -270,6 +271,6 @@ class FastMetrics(Recorder):
         for reason in finish_reasons:
             reason = self._limit_finish(reason)
             self.by_finish.setdefault(reason, 0)
-        for key in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+        for key, _ in STEP_GAUGES:
             self.gauges.setdefault(key, 0)
-        self.hub.shown.update(id(self._cell(key)) for key in histograms)
+        self.instruments.shown.update(id(self._cell(key)) for key in histograms)

@@ -9,16 +9,27 @@ from typing import Any, Iterable, Optional, Sequence
 
 from opentelemetry.metrics import MeterProvider
 
-from otel_llm import __version__
-from otel_llm.catalogue.metrics import BY_KEY, METRICS, SCOPE, base_attributes, error_attributes, label_key
+from otel_llm.catalogue.drops import DROP_REASONS
+from otel_llm.catalogue.metrics import (
+    BY_KEY,
+    METRICS,
+    SCOPE,
+    STEP_GAUGES,
+    STEP_HISTOGRAMS,
+    base_attributes,
+    error_attributes,
+    finish_values,
+    label_key,
+)
 from otel_llm.config.labels import LabelLimiter
 from otel_llm.config.settings import TelemetryConfig
-from otel_llm.core.tracker import DROP_REASONS
 from otel_llm.events import StepStats
 from otel_llm.recording.cells import ExemplarIds
-from otel_llm.recording.recorder import Recorder
+from otel_llm.recording.recorder import GaugeSource
+from otel_llm.summary import RequestSummary
+from otel_llm.version import __version__
 
-_instances: "weakref.WeakSet[SdkMetrics]" = weakref.WeakSet()
+_instances: "weakref.WeakSet[SdkRecorder]" = weakref.WeakSet()
 
 
 def _new_locks_after_fork() -> None:
@@ -30,8 +41,10 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_new_locks_after_fork)
 
 
-class SdkMetrics(Recorder):
+class SdkRecorder:
     """One SDK ``record``/``add``/``set`` per observation, attributes passed on every call."""
+
+    takes_gauge_source = False  # its gauges are synchronous: set at each step
 
     def __init__(self, meter_provider: MeterProvider, config: TelemetryConfig) -> None:
         meter = meter_provider.get_meter(SCOPE, __version__)
@@ -42,6 +55,7 @@ class SdkMetrics(Recorder):
         self._error_attributes = error_attributes(config)
         self._reason_key = label_key(config, "reason")
         self._finish_key = label_key(config, "finished_reason")
+        self._drop_key = label_key(config, "drop_reason")
         self._limit_reason = LabelLimiter(config.max_label_values)
         self._limit_finish = LabelLimiter(config.max_label_values)
         self.i: dict[str, Any] = {}
@@ -54,7 +68,7 @@ class SdkMetrics(Recorder):
             else:
                 self.i[m.key] = meter.create_histogram(name, m.unit, m.meaning)
         for reason in DROP_REASONS:
-            self.i["dropped_events"].add(0, {**self.attributes, "reason": reason})
+            self.i["dropped_events"].add(0, {**self.attributes, self._drop_key: reason})
 
     @property
     def lock(self) -> threading.Lock:
@@ -77,31 +91,24 @@ class SdkMetrics(Recorder):
         if itl is not None:
             self.i["inter_token_latency_seconds"].record(itl, self.attributes, context=ctx)
 
-    def finished(
-        self,
-        values: dict[str, float],
-        finish_reason: str,
-        num_preemptions: int,
-        exemplar: Optional[ExemplarIds],
-        ctx: Any,
-    ) -> None:
+    def finished(self, summary: RequestSummary, exemplar: Optional[ExemplarIds], ctx: Any) -> None:
         i, attrs = self.i, self.attributes
-        i["request_success"].add(1, {**attrs, self._finish_key: self._limit_finish(finish_reason)})
-        errors = self._error_attributes if finish_reason == "error" else None
-        for key, value in values.items():
+        i["request_success"].add(1, {**attrs, self._finish_key: self._limit_finish(summary.finish_reason)})
+        errors = self._error_attributes if summary.finish_reason == "error" else None
+        for key, value in finish_values(summary):
             i[key].record(value, errors if errors and BY_KEY[key].error_type else attrs, context=ctx)
-        i["request_num_preemptions"].record(num_preemptions, attrs, context=ctx)
 
     def step(self, stats: StepStats) -> None:
         i, attrs = self.i, self.attributes
-        i["num_requests_running"].set(stats.num_running, attrs)
-        i["num_requests_waiting"].set(stats.num_waiting, attrs)
-        i["kv_cache_usage_perc"].set(stats.kv_cache_usage, attrs)
-        if stats.num_batched_tokens is not None:
-            i["iteration_tokens_total"].record(stats.num_batched_tokens, attrs)
+        for key, field in STEP_GAUGES:
+            i[key].set(getattr(stats, field), attrs)
+        for key, field in STEP_HISTOGRAMS:
+            value = getattr(stats, field)
+            if value is not None:
+                i[key].record(value, attrs)
 
     def dropped(self, reason: str, n: int = 1) -> None:
-        self.i["dropped_events"].add(n, {**self.attributes, "reason": reason})
+        self.i["dropped_events"].add(n, {**self.attributes, self._drop_key: reason})
 
     def latencies(
         self, ttfts: Sequence[float], itls: Sequence[float], exemplar: Optional[ExemplarIds], ctx: Any
@@ -115,3 +122,6 @@ class SdkMetrics(Recorder):
         # An SDK histogram has no point before its first record: only the counter's series.
         for reason in finish_reasons:
             self.i["request_success"].add(0, {**self.attributes, self._finish_key: self._limit_finish(reason)})
+
+    def set_gauge_source(self, source: GaugeSource) -> None:
+        raise NotImplementedError("the SDK recorder's gauges are set at each step (takes_gauge_source is False)")

@@ -9,8 +9,9 @@ from typing import Any, Optional
 from opentelemetry import _logs, trace
 from opentelemetry.context import Context
 
-from otel_llm import __version__, _sdk
+from otel_llm import _sdk
 from otel_llm.tracing.spans import RequestSpans
+from otel_llm.version import __version__
 
 PREEMPTED_EVENT = "llm.request.preempted"  # event_name of a preemption's log record
 

@@ -39,12 +39,13 @@ from opentelemetry.trace import (
 )
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from otel_llm import __version__, _sdk
+from otel_llm import _sdk
 from otel_llm._sdk import tracer as sdk_tracer
 from otel_llm.catalogue.metrics import ERROR_TYPE, GEN_AI_OPERATION
 from otel_llm.config.settings import TelemetryConfig
-from otel_llm.core.tracker import RequestSummary
 from otel_llm.recording.cells import ExemplarIds
+from otel_llm.summary import RequestSummary
+from otel_llm.version import __version__
 
 SPAN_KINDS = {"server": SpanKind.SERVER, "internal": SpanKind.INTERNAL}
 

@@ -18,7 +18,7 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from otel_llm.core.tracker import SPANS_EXPORT_FAILED, SPANS_QUEUE_FULL
+from otel_llm.catalogue.drops import SPANS_EXPORT_FAILED, SPANS_QUEUE_FULL
 from otel_llm.export import accounting
 from tests.support.sdk_versions import needs_sdk
 

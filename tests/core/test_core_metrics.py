@@ -198,7 +198,7 @@ def test_provider_without_views_warns_once_and_still_counts(caplog):
     run(r)
     p = r.point("vllm.request_num_preemptions")  # SDK default name and buckets
     assert p.count == 8 and p.sum == 40
-    assert second.metrics.__class__.__name__ == "SdkMetrics"
+    assert second.metrics.__class__.__name__ == "SdkRecorder"
 
 
 def test_views_cover_every_metric_with_a_colon():

@@ -24,8 +24,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 import otel_llm
 from otel_llm import EngineTelemetry, TelemetryConfig, setup_telemetry
-from otel_llm.core.tracker import RequestSummary
-from otel_llm.export.accounting import LOG_RECORDS_EXPORT_FAILED, LOG_RECORDS_QUEUE_FULL
+from otel_llm.catalogue.drops import LOG_RECORDS_EXPORT_FAILED, LOG_RECORDS_QUEUE_FULL
+from otel_llm.summary import RequestSummary
 from otel_llm.testing import lifecycle
 from otel_llm.tracing.log_events import PREEMPTED_EVENT
 from tests.support.backends import rotel_to_sink, wait_until

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from otel_llm import TelemetryConfig
-from otel_llm.catalogue.metrics import METRICS
+from otel_llm.catalogue.metrics import METRICS, label_key
 from otel_llm.config.settings import ENV_VARIABLES
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,7 +36,8 @@ def render_metric_table() -> str:
             if m.boundaries(semconv) != m.boundaries(vllm):
                 buckets += f"; {_bounds(m.boundaries(semconv))}"
         unit = f"`{m.unit}`" if m.unit else ""
-        rows.append(f"| `{m.vllm}` | `{m.semconv}` | {m.kind} | {unit} | {m.label or ''} | {buckets} | {m.meaning} |")
+        label = label_key(vllm, m.label) if m.label else ""
+        rows.append(f"| `{m.vllm}` | `{m.semconv}` | {m.kind} | {unit} | {label} | {buckets} | {m.meaning} |")
     return "\n".join(rows)
 
 

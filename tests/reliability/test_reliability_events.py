@@ -32,6 +32,7 @@ from opentelemetry.sdk.metrics.export import HistogramDataPoint
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from otel_llm import TelemetryConfig
+from otel_llm.catalogue import drops as drop_reasons
 from otel_llm.core import sink as request_sink
 from otel_llm.core import tracker as t
 from otel_llm.events import EventType, RequestEvent  # the module, so that mypy sees the types (otel_llm is lazy)
@@ -229,30 +230,40 @@ def garbage_for(draw: Any, request: list[RequestEvent]) -> Garbage:
         kinds.append("first_token_twice")
     kind = draw(st.sampled_from(kinds))
     if kind == "duplicate_arrival":
-        return Garbage(f"{rid}:inflight", RequestEvent(E.ARRIVED, rid, end, prompt_tokens=1), t.DUPLICATE_ARRIVAL)
+        return Garbage(
+            f"{rid}:inflight", RequestEvent(E.ARRIVED, rid, end, prompt_tokens=1), drop_reasons.DUPLICATE_ARRIVAL
+        )
     if kind == "backwards":
         ts = arrival - draw(st.sampled_from([1e-9, 0.5, 1e6]))
         return Garbage(
-            f"{rid}:inflight", RequestEvent(draw(NON_ARRIVED), rid, ts, finish_reason="stop"), t.TIME_BACKWARDS
+            f"{rid}:inflight",
+            RequestEvent(draw(NON_ARRIVED), rid, ts, finish_reason="stop"),
+            drop_reasons.TIME_BACKWARDS,
         )
     if kind == "bad_time":
         ts = draw(BAD_TIMESTAMP)
         return Garbage(
-            f"{rid}:inflight", RequestEvent(draw(NON_ARRIVED), rid, ts, finish_reason="stop"), t.INVALID_VALUE
+            f"{rid}:inflight",
+            RequestEvent(draw(NON_ARRIVED), rid, ts, finish_reason="stop"),
+            drop_reasons.INVALID_VALUE,
         )
     if kind == "bad_tokens":
         return Garbage(
-            f"{rid}:inflight", RequestEvent(E.TOKENS, rid, end, num_tokens=draw(NOT_A_NUMBER)), t.INVALID_VALUE
+            f"{rid}:inflight",
+            RequestEvent(E.TOKENS, rid, end, num_tokens=draw(NOT_A_NUMBER)),
+            drop_reasons.INVALID_VALUE,
         )
     if kind == "bad_finish":
         reason = draw(st.sampled_from([None, 5, b"stop", ["stop"]]))
-        return Garbage(f"{rid}:inflight", RequestEvent(E.FINISHED, rid, end, finish_reason=reason), t.INVALID_VALUE)
+        return Garbage(
+            f"{rid}:inflight", RequestEvent(E.FINISHED, rid, end, finish_reason=reason), drop_reasons.INVALID_VALUE
+        )
     if kind == "bad_preempt_value":
         tokens = draw(NOT_A_NUMBER)
         return Garbage(
             f"{rid}:running",
             RequestEvent(E.PREEMPTED, rid, end, num_computed_tokens=tokens, reason="kv_cache_full"),
-            t.INVALID_VALUE,
+            drop_reasons.INVALID_VALUE,
         )
     if kind == "after_finish":
         return Garbage(
@@ -262,20 +273,22 @@ def garbage_for(draw: Any, request: list[RequestEvent]) -> Garbage:
                 rid,
                 draw(st.sampled_from([end, end + 5, 0.0])),
             ),
-            t.AFTER_FINISH,
+            drop_reasons.AFTER_FINISH,
         )
     if kind == "duplicate_finish":
-        return Garbage(f"{rid}:after", RequestEvent(E.FINISHED, rid, end + 1, finish_reason="stop"), t.DUPLICATE_FINISH)
+        return Garbage(
+            f"{rid}:after", RequestEvent(E.FINISHED, rid, end + 1, finish_reason="stop"), drop_reasons.DUPLICATE_FINISH
+        )
     if kind == "scheduled_twice":
-        return Garbage(f"{rid}:running", RequestEvent(E.SCHEDULED, rid, end), t.INVALID_TRANSITION)
+        return Garbage(f"{rid}:running", RequestEvent(E.SCHEDULED, rid, end), drop_reasons.INVALID_TRANSITION)
     if kind == "preempted_while_waiting":
         return Garbage(
             f"{rid}:waiting",
             RequestEvent(E.PREEMPTED, rid, end, num_computed_tokens=3, reason="kv_cache_full"),
-            t.INVALID_TRANSITION,
+            drop_reasons.INVALID_TRANSITION,
         )
     assert kind == "first_token_twice"
-    return Garbage(f"{rid}:has_token", RequestEvent(E.FIRST_TOKEN, rid, end), t.INVALID_TRANSITION)
+    return Garbage(f"{rid}:has_token", RequestEvent(E.FIRST_TOKEN, rid, end), drop_reasons.INVALID_TRANSITION)
 
 
 @st.composite
@@ -287,9 +300,11 @@ def free_garbage(draw: Any) -> Garbage:
         rid = draw(
             st.one_of(st.text(min_size=0, max_size=20).map(lambda s: "g" + s), st.text(min_size=300, max_size=400))
         )
-        return Garbage("any", RequestEvent(draw(NON_ARRIVED), rid, draw(st.floats(allow_nan=True))), t.UNKNOWN_REQUEST)
+        return Garbage(
+            "any", RequestEvent(draw(NON_ARRIVED), rid, draw(st.floats(allow_nan=True))), drop_reasons.UNKNOWN_REQUEST
+        )
     if kind == "non_event":
-        return Garbage("any", draw(NON_EVENTS), t.UNKNOWN_EVENT_TYPE)
+        return Garbage("any", draw(NON_EVENTS), drop_reasons.UNKNOWN_EVENT_TYPE)
     # ARRIVED with a wrong id, timestamp or count: rejected whatever the id
     bad = draw(st.sampled_from(["id_huge", "id_type", "ts", "prompt", "max", "cached"]))
     rid = "b" + draw(st.text(max_size=8))
@@ -305,7 +320,7 @@ def free_garbage(draw: Any) -> Garbage:
         kwargs[{"prompt": "prompt_tokens", "max": "max_tokens", "cached": "num_cached_tokens"}[bad]] = draw(
             NOT_A_NUMBER
         )
-    return Garbage("any", RequestEvent(E.ARRIVED, rid, ts, **kwargs), t.INVALID_VALUE)
+    return Garbage("any", RequestEvent(E.ARRIVED, rid, ts, **kwargs), drop_reasons.INVALID_VALUE)
 
 
 @st.composite
@@ -460,8 +475,8 @@ def test_random_streams_never_raise_never_tear_and_never_hit_internal_errors(
         assert rig.bus.errors == {}
         got = rig.metrics()
         reasons = drops(got)
-        assert set(reasons) <= set(t.DROP_REASONS)
-        assert t.INTERNAL_ERROR not in reasons, reasons
+        assert set(reasons) <= set(drop_reasons.DROP_REASONS)
+        assert drop_reasons.INTERNAL_ERROR not in reasons, reasons
         comparable(got)  # asserts count == sum(bucket_counts) in every point
         for points in got.values():
             for p in points:
@@ -479,14 +494,14 @@ def test_drop_log_is_rate_limited_per_reason_per_interval(monkeypatch, drop_logs
     try:
         unknown = [RequestEvent(E.TOKENS, f"nope-{i}", 1.0, num_tokens=1) for i in range(500)]
         rig.publish([unknown, [None] * 10])
-        assert drop_logs.by_reason == {t.UNKNOWN_REQUEST: 1, t.UNKNOWN_EVENT_TYPE: 1}
+        assert drop_logs.by_reason == {drop_reasons.UNKNOWN_REQUEST: 1, drop_reasons.UNKNOWN_EVENT_TYPE: 1}
         now[0] += 59.0
         rig.publish([unknown])
-        assert drop_logs.by_reason[t.UNKNOWN_REQUEST] == 1  # still inside the interval
+        assert drop_logs.by_reason[drop_reasons.UNKNOWN_REQUEST] == 1  # still inside the interval
         now[0] += 2.0
         rig.publish([unknown[:1]])
-        assert drop_logs.by_reason[t.UNKNOWN_REQUEST] == 2  # a new interval: one more line, with the tally
-        assert drops(rig.metrics()) == {t.UNKNOWN_REQUEST: 1001, t.UNKNOWN_EVENT_TYPE: 10}
+        assert drop_logs.by_reason[drop_reasons.UNKNOWN_REQUEST] == 2  # a new interval: one more line, with the tally
+        assert drops(rig.metrics()) == {drop_reasons.UNKNOWN_REQUEST: 1001, drop_reasons.UNKNOWN_EVENT_TYPE: 10}
     finally:
         rig.close()
 
@@ -547,7 +562,7 @@ def test_a_million_distinct_unknown_ids_and_evictions_stay_bounded():
         finally:
             tracemalloc.stop()
         assert rig.bus.errors == {}
-        assert drops(rig.metrics()) == {t.UNKNOWN_REQUEST: n_unknown, t.EVICTED: n_arrivals - cap}
+        assert drops(rig.metrics()) == {drop_reasons.UNKNOWN_REQUEST: n_unknown, drop_reasons.EVICTED: n_arrivals - cap}
         tracker = rig.telemetry.tracker
         assert len(tracker.inflight) == cap and len(tracker.finished) <= cap
         # Unknown ids leave nothing behind; the cap bounds the rest (1000 in flight + 1000 ids remembered).
@@ -565,6 +580,6 @@ def test_a_batch_that_is_not_a_list_of_events_is_counted_not_raised() -> None:
             rig.telemetry.on_events(batch)  # type: ignore[arg-type]  # garbage on purpose: not a list of events
         rig.telemetry.on_step(None)  # type: ignore[arg-type]  # garbage on purpose: not StepStats
         got = drops(rig.metrics())
-        assert sum(got.values()) == 4 and set(got) <= set(t.DROP_REASONS), got
+        assert sum(got.values()) == 4 and set(got) <= set(drop_reasons.DROP_REASONS), got
     finally:
         rig.close()

@@ -37,7 +37,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader, NumberDataPoi
 
 from engine_stub import Engine, EngineConfig
 from otel_llm import TelemetryConfig, setup_telemetry
-from otel_llm.core import tracker
+from otel_llm.catalogue import drops as drop_reasons
 from otel_llm.testing.cost import TimedHooks, started_threads, threads_cpu_s
 from tests.support.backends import (
     LOOPBACK,
@@ -353,8 +353,8 @@ def test_collector_outage_does_not_slow_or_block_the_engine_and_losses_are_count
             assert handle.accounting is not None  # the narrowing above does not reach a nested function
             dropped = handle.accounting.dropped
             return (
-                dropped.get(tracker.SPANS_EXPORT_FAILED, 0) > 0
-                and dropped.get(tracker.METRIC_POINTS_EXPORT_FAILED, 0) > 0
+                dropped.get(drop_reasons.SPANS_EXPORT_FAILED, 0) > 0
+                and dropped.get(drop_reasons.METRIC_POINTS_EXPORT_FAILED, 0) > 0
             )
 
         outage = load.run("outage", OUTAGE_STEPS, until=both_exports_failed, each_step=watch_queue)
@@ -395,7 +395,7 @@ def test_collector_outage_does_not_slow_or_block_the_engine_and_losses_are_count
         drops = dict(handle.accounting.dropped)
         # Batches given up after retries, or failed at once while the collector stays unreachable
         # (accounting.Backoff); the queue may overflow as well.
-        assert drops.get(tracker.SPANS_EXPORT_FAILED, 0) > 0, drops
+        assert drops.get(drop_reasons.SPANS_EXPORT_FAILED, 0) > 0, drops
         on_metric = _dropped(reader)
         for reason, n in drops.items():
             assert on_metric.get(reason) == n, (reason, n, on_metric)

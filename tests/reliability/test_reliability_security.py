@@ -34,7 +34,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 import otel_llm
 from otel_llm import EngineTelemetry, EventType, RequestEvent, TelemetryConfig, setup_telemetry
-from otel_llm.core.tracker import METRIC_POINTS_EXPORT_FAILED, SPANS_EXPORT_FAILED
+from otel_llm.catalogue.drops import METRIC_POINTS_EXPORT_FAILED, SPANS_EXPORT_FAILED
 from tests.support.backends import backend, start_otlp_sink
 from tests.support.otel_helpers import attrs
 

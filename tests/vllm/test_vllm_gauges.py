@@ -129,10 +129,10 @@ def serve(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
 
 
 def _api_server(otel: Any, vllm_config: Any, count: int, rank: int) -> tuple[Any, Any]:
-    from otel_llm.integrations.vllm.stat_logger import _Impl
+    from otel_llm.integrations.vllm.adapter import VllmAdapter
 
     o = otel()
-    impl = _Impl(_config(vllm_config, count, rank), [0], handle=o.handle)
+    impl = VllmAdapter(_config(vllm_config, count, rank), [0], handle=o.handle)
     return impl, o
 
 
@@ -190,12 +190,12 @@ def test_api_server_0_reports_the_freshest_values_the_others_none(otel, vllm_con
 
 
 def test_per_engine_with_data_parallel_engines(otel, vllm_config, serve: Path) -> None:
-    from otel_llm.integrations.vllm.stat_logger import _Impl
+    from otel_llm.integrations.vllm.adapter import VllmAdapter
 
     impls, otels = [], []
     for rank in (0, 1):
         o = otel()
-        impls.append(_Impl(_config(vllm_config, 2, rank), [0, 1], handle=o.handle))
+        impls.append(VllmAdapter(_config(vllm_config, 2, rank), [0, 1], handle=o.handle))
         otels.append(o)
     impls[0].record(_stats(1, 1, 0, 0.5), None, 0)
     impls[1].record(_stats(4, 0, 0, 0.75), None, 1)

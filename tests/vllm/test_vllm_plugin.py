@@ -52,7 +52,7 @@ def test_built_by_stat_logger_manager_with_real_vllm_config(otel, vllm_config):
         (model, "1"),
         (model, "3"),
     }
-    assert len({id(t.metrics.hub) for t in logger.telemetry.values()}) == 1  # one provider set
+    assert len({id(t.metrics.instruments) for t in logger.telemetry.values()}) == 1  # one provider set
     assert all(t.config.max_model_len == vllm_config.model_config.max_model_len for t in logger.telemetry.values())
 
     manager.log_engine_initialized()

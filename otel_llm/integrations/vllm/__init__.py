@@ -4,7 +4,8 @@ See :mod:`otel_llm.integrations.vllm.stat_logger` and docs/vllm.md."""
 
 from typing import Any
 
-from otel_llm.integrations.vllm.stat_logger import FieldReader, reset, use_handle
+from otel_llm.integrations.vllm.fields import FieldReader
+from otel_llm.integrations.vllm.handle import reset, use_handle
 
 __all__ = ["OtelStatLogger", "FieldReader", "use_handle", "reset"]
 

@@ -33,7 +33,7 @@ import tempfile
 import time
 import zlib
 from multiprocessing import resource_tracker
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 _log = logging.getLogger(__name__)
 
@@ -140,19 +140,6 @@ class SharedRecord:
             pass
 
 
-class _CoreGauges(dict):
-    """Stands in for the core recorder's gauge values of one engine: the hub's collection reads
-    ``get(key)``, answered from the shared record (None: not reported by this process)."""
-
-    def __init__(self, read: Callable[[int], Optional[float]]) -> None:
-        super().__init__()
-        self._read = read
-
-    def get(self, key: str, default: Any = None) -> Any:
-        position = _CORE_POSITION.get(key)
-        return dict.get(self, key, default) if position is None else self._read(position)
-
-
 class SchedulerGauges:
     """The scheduler gauges of this process' engines, published to and read from a
     :class:`SharedRecord`. ``engines``: engine index -> the VllmSeries values set from its
@@ -179,10 +166,15 @@ class SchedulerGauges:
         freshest = self.record.freshest(slot)
         return freshest[1 + position] if freshest is not None else 0.0
 
+    def core_value(self, slot: int, key: str) -> Optional[float]:
+        """:meth:`value` of a core gauge, by metric key (the recorder's gauge source)."""
+        position = _CORE_POSITION.get(key)
+        return None if position is None else self.value(slot, position)
+
     def route(self, telemetry: Mapping[int, Any]) -> None:
         """Make the core gauges and the VllmSeries values of every engine read :meth:`value`."""
         for idx, slot in self._slots.items():
-            telemetry[idx].metrics.gauges = _CoreGauges(functools.partial(self.value, slot))
+            telemetry[idx].metrics.set_gauge_source(functools.partial(self.core_value, slot))
             for position, series_value in enumerate(self._series[slot], len(CORE_KEYS)):
                 series_value.read = functools.partial(self.value, slot, position)
 
@@ -223,7 +215,7 @@ def share(vllm_config: Any, series: Any, telemetry: Mapping[int, Any]) -> Option
         return None
     engines = {idx: _series_values(series, idx) for idx in telemetry}
     widths = {len(values) for values in engines.values()}
-    if len(widths) != 1 or not all(isinstance(getattr(t.metrics, "gauges", None), dict) for t in telemetry.values()):
+    if len(widths) != 1 or not all(t.metrics.takes_gauge_source for t in telemetry.values()):
         _log.warning(
             "otel-llm vLLM adapter: API server %d of %d reports the scheduler gauges as of the outputs it "
             "handled (they cannot be shared with this telemetry): sum them over processes with care",

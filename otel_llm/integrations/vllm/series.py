@@ -33,10 +33,10 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 from opentelemetry.sdk.metrics.view import View
 
-from otel_llm import __version__
 from otel_llm.catalogue.metrics import METRICS, SCOPE
 from otel_llm.recording.cell_aggregation import InProcessHistogram
 from otel_llm.recording.cells import HistogramCell
+from otel_llm.version import __version__
 
 __all__ = ["VllmSeries", "SeriesView"]
 

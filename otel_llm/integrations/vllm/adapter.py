@@ -1,0 +1,444 @@
+"""The vLLM adapter: vLLM's ``SchedulerStats`` and ``IterationStats``, per engine step, translated
+into the core telemetry (one :class:`~otel_llm.core.telemetry.EngineTelemetry` per engine index),
+and vLLM's own series beyond the core (:mod:`otel_llm.integrations.vllm.series`). Independent of
+vLLM's base classes, so it is testable without vLLM; :mod:`otel_llm.integrations.vllm.stat_logger`
+is the shell vLLM loads."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from typing import Any, Iterable, Optional
+
+from otel_llm.catalogue.metrics import METRICS, request_token_buckets
+from otel_llm.config.settings import TelemetryConfig
+from otel_llm.core.telemetry import EngineTelemetry
+from otel_llm.integrations.vllm import handle as shared_handle
+from otel_llm.integrations.vllm.fields import MISSING, FieldReader
+
+_log = logging.getLogger("otel_llm.integrations.vllm")  # one logger for the vLLM adapter, whichever module logs
+
+DEFAULT_PREEMPTION_REASON = "kv_cache_full"
+SIBLING_SPAN_NAME = "llm_request.scheduling"  # our span's name when vLLM traces requests itself
+MAX_ENGINES = 1024  # engine indexes tracked by one logger (elastic EP may add some at run time)
+
+
+class VllmAdapter:
+    """The translation, independent of vLLM's base classes (so it is testable without vLLM)."""
+
+    def __init__(self, vllm_config: Any, engine_indexes: Iterable[int], *, handle: Any = None) -> None:
+        self.reader = FieldReader()
+        self.vllm_config = vllm_config
+        engine_indexes = list(engine_indexes)
+        served, max_len = self._from_vllm_config(vllm_config)
+        env_model = os.environ.get("OTEL_LLM_MODEL_NAME", "").strip()
+        handle = handle if handle is not None else shared_handle.current()
+        own_config = None
+        if handle is None:
+            overrides: dict[str, Any] = {}
+            if not env_model and served:
+                overrides["model_name"] = served
+            if not os.environ.get("OTEL_LLM_MAX_MODEL_LEN", "").strip() and max_len:
+                overrides["max_model_len"] = max_len  # vLLM's 1-2-5 token buckets stop there
+            own_config = TelemetryConfig.from_env(**overrides)
+        # vLLM's series that the core telemetry does not reproduce: built before the providers,
+        # which need their Views.
+        self.series = _series(vllm_config, engine_indexes, (own_config or handle.config).naming)
+        self._series_failed: set[str] = set()
+        if handle is None:
+            if self.series is not None:
+                own_config = _with_vllm_buckets(own_config, self.series, vllm_config)
+            handle = shared_handle.get_handle(own_config, self.series.views() if self.series is not None else ())
+        self.handle = handle
+        base = handle.config
+        # The model label: OTEL_LLM_MODEL_NAME, else a name the handle's owner chose, else vLLM's.
+        if env_model:
+            self.model_name = env_model
+        elif base.model_name != "unknown" or not served:
+            self.model_name = base.model_name
+        else:
+            self.model_name = served
+        self.config = dataclasses.replace(base, model_name=self.model_name)
+        if _vllm_traces_requests(vllm_config):
+            # vLLM's own llm_request span is the request's span: ours, with the preemption
+            # events, is an internal sibling under the same parent, not a second llm_request.
+            self.config = dataclasses.replace(self.config, span_name=SIBLING_SPAN_NAME, span_kind="internal")
+        # Created at start at zero as vLLM creates its series: the histograms vLLM has too.
+        self._zero_histograms = [
+            m.key
+            for m in METRICS
+            if m.kind == "histogram" and self.series is not None and m.vllm in self.series.families
+        ]
+        self.telemetry: dict[int, EngineTelemetry] = {}
+        for idx in engine_indexes:
+            self._engine(idx)
+        if self.series is not None:
+            self._bind_series()
+        self.gauges = _shared_gauges(vllm_config, self.series, self.telemetry)
+        self._last_sched: dict[int, tuple[int, int, float]] = {}
+        self._deep_hook = None
+        from otel_llm.integrations.vllm import deep_hook as vllm_deep_hook
+
+        if vllm_deep_hook.enabled() and vllm_deep_hook.install():
+            self._deep_hook = vllm_deep_hook
+
+    def _bind_series(self) -> None:
+        from otel_llm.integrations.vllm.series import SeriesView
+
+        provider = self.handle.meter_provider
+        if provider is None:  # OTEL_SDK_DISABLED
+            self.series = None
+            return
+        have = {v.series_name for v in getattr(self.handle, "extra_views", ()) if isinstance(v, SeriesView)}
+        left_out = self.series.bind(provider, have.__contains__)
+        if left_out:
+            _log.warning(
+                "otel-llm vLLM adapter: %d of vLLM's series are not exported, their Views are not on the "
+                "MeterProvider (build it with setup_telemetry(config, extra_views=VllmSeries(vllm_config, "
+                "engine_indexes).views())): %s",
+                len(left_out),
+                ", ".join(sorted(left_out)),
+            )
+
+    def _from_vllm_config(self, vllm_config: Any) -> tuple[Optional[str], Optional[int]]:
+        model_config = getattr(vllm_config, "model_config", None)
+        if model_config is None:
+            return None, None
+        served = self.reader.raw(model_config, "served_model_name", "the model_name label")
+        if isinstance(served, (list, tuple)) and served:
+            served = served[0]
+        max_len = self.reader.number(model_config, "max_model_len", "the request token buckets")
+        return (
+            served if isinstance(served, str) and served else None,
+            int(max_len) if max_len is not None and max_len >= 1 else None,
+        )
+
+    def _engine(self, idx: int) -> Any:
+        tel = self.telemetry.get(idx)
+        if tel is None:
+            if len(self.telemetry) >= MAX_ENGINES:
+                self.reader.warn_once("engine_idx", str(idx), f"beyond {MAX_ENGINES} engines: not recorded")
+                return None
+            handle, engine = self.handle, str(idx)
+            default = getattr(handle, "telemetry", None)
+            cfg = getattr(default, "config", None)
+            if (
+                cfg is not None
+                and cfg.model_name == self.model_name
+                and cfg.engine == engine
+                and (cfg.span_name == self.config.span_name)
+                and default not in self.telemetry.values()
+            ):
+                assert default is not None  # cfg is its config
+                tel = default  # setup_telemetry's own EngineTelemetry, when its settings fit
+            elif hasattr(handle, "new_telemetry"):
+                tel = handle.new_telemetry(
+                    model_name=self.model_name,
+                    engine=engine,
+                    span_name=self.config.span_name,
+                    span_kind=self.config.span_kind,
+                )
+            else:
+                tel = EngineTelemetry(
+                    dataclasses.replace(self.config, engine=engine),
+                    meter_provider=handle.meter_provider,
+                    tracer_provider=handle.tracer_provider,
+                )
+            tel.metrics.show_zero_series(_finish_reasons(), self._zero_histograms)
+            self.telemetry[idx] = tel
+        return tel
+
+    # -- record ---------------------------------------------------------------------
+
+    def record(self, scheduler_stats: Any, iteration_stats: Any, engine_idx: int, mm_cache_stats: Any = None) -> None:
+        idx = engine_idx if isinstance(engine_idx, int) else 0
+        self.call_series("record", scheduler_stats, iteration_stats, mm_cache_stats=mm_cache_stats, engine_idx=idx)
+        tel = self._engine(idx)
+        if tel is None:
+            return
+        offset = time.time() - time.monotonic()
+        self.record_aborted()
+        if iteration_stats is not None:
+            self._record_iteration(tel, iteration_stats, offset)
+        if scheduler_stats is not None or iteration_stats is not None:
+            self._record_step(tel, idx, scheduler_stats, iteration_stats, offset)
+
+    def record_aborted(self) -> None:
+        """A span for each request the deep hook saw aborted; no metric: vLLM counts none."""
+        hook = self._deep_hook
+        if hook is None or not hook.aborted:
+            return
+        tel = self._engine(min(self.telemetry, default=0))
+        offset = time.time() - time.monotonic()
+        while hook.aborted:
+            try:
+                a = hook.aborted.popleft()
+            except IndexError:  # drained by another thread
+                return
+            finish = a.abort_time - offset
+            preemptions = tuple((ts, 0, DEFAULT_PREEMPTION_REASON) for ts in a.trace.preempted_at)
+            summary = _summary_class()(
+                request_id=a.request_id,
+                finish_reason="abort",
+                arrival_time=a.arrival_time - offset,
+                finish_time=finish,
+                prompt_tokens=a.prompt_tokens,
+                generation_tokens=a.generation_tokens,
+                max_tokens=a.max_tokens,
+                num_preemptions=len(preemptions),
+                preempted_time=a.trace.preempted_time(finish),
+                preemptions=preemptions,
+            )
+            tel.record_finished(summary, a.trace.carrier, metrics=False)
+
+    def call_series(self, method: str, *args: Any, **kwargs: Any) -> None:
+        """One of vLLM's own logger methods on :class:`VllmSeries`; a failure is reported once
+        and leaves the core telemetry untouched."""
+        if self.series is None:
+            return
+        try:
+            getattr(self.series.logger, method)(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - vLLM's own logger code must not break the telemetry's hook
+            if method not in self._series_failed:
+                self._series_failed.add(method)
+                _log.warning(
+                    "otel-llm vLLM adapter: vLLM's PrometheusStatLogger.%s failed (%r): vLLM's series beyond "
+                    "the core metrics may be incomplete (reported once)",
+                    method,
+                    exc,
+                )
+
+    def _record_step(self, tel: Any, idx: int, sched: Any, it: Any, offset: float) -> None:
+        from otel_llm.events import StepStats
+
+        r = self.reader
+        running, waiting, usage = self._last_sched.get(idx, (0, 0, 0.0))
+        if sched is not None:
+            v = r.number(sched, "num_running_reqs", "vllm:num_requests_running")
+            running = int(v) if v is not None else running
+            w = r.number(sched, "num_waiting_reqs", "vllm:num_requests_waiting")
+            # vLLM's gauge counts the deferred ("skipped") waiting requests too.
+            skipped = getattr(sched, "num_skipped_waiting_reqs", 0)
+            if isinstance(skipped, bool) or not isinstance(skipped, int):
+                skipped = 0
+            waiting = int(w) + skipped if w is not None else waiting
+            u = r.number(sched, "kv_cache_usage", "vllm:kv_cache_usage_perc")
+            usage = float(u) if u is not None else usage
+            self._last_sched[idx] = (running, waiting, usage)
+        # Only an iteration observes iteration_tokens_total (0 included), as vLLM does.
+        batched = self._iteration_tokens(it) if it is not None else None
+        now = time.monotonic()
+        ts = r.number(it, "iteration_timestamp", "span times") if it is not None else None
+        if ts is not None:
+            now = ts - offset
+        if sched is None and idx not in self._last_sched and batched is None:
+            return
+        tel.on_step(
+            StepStats(
+                timestamp=now,
+                num_running=running,
+                num_waiting=waiting,
+                kv_cache_usage=usage,
+                num_batched_tokens=batched,
+            )
+        )
+        if sched is not None and self.gauges is not None:
+            self.gauges.publish(idx, running, waiting, usage)
+
+    def _iteration_tokens(self, it: Any) -> Optional[int]:
+        # vLLM: prompt_token_stats.computed + num_generation_tokens (cached prompt tokens excluded).
+        # None (not observed) when a field is missing: the metric degrades, with one warning.
+        r = self.reader
+        gen = r.number(it, "num_generation_tokens", "vllm:iteration_tokens_total")
+        pts = r.raw(it, "prompt_token_stats", "vllm:iteration_tokens_total")
+        if gen is None or pts is MISSING:
+            return None
+        computed = r.number(pts, "computed", "vllm:iteration_tokens_total") if pts is not None else 0
+        if computed is None:
+            return None
+        return int(computed + gen)
+
+    def _record_iteration(self, tel: Any, it: Any, offset: float) -> None:
+        r = self.reader
+        ttfts = r.sequence(it, "time_to_first_tokens_iter", "vllm:time_to_first_token_seconds")
+        itls = r.sequence(it, "inter_token_latencies_iter", "vllm:inter_token_latency_seconds")
+        prompt = r.number(it, "num_prompt_tokens", "vllm:prompt_tokens")
+        gen = r.number(it, "num_generation_tokens", "vllm:generation_tokens")
+        preempted = r.number(it, "num_preempted_reqs", "vllm:num_preemptions")
+        tel.record_iteration(
+            ttfts=ttfts,
+            itls=itls,
+            prompt_tokens=int(prompt or 0),
+            generation_tokens=int(gen or 0),
+            num_preemptions=int(preempted or 0),
+            preemption_reason=DEFAULT_PREEMPTION_REASON,
+        )
+        finished = r.raw(it, "finished_requests", "the per-request metrics and spans")
+        if finished is MISSING or not finished:
+            return
+        ts = r.number(it, "iteration_timestamp", "span times")
+        finish_time = (ts - offset) if ts is not None else time.monotonic()
+        for f in list(finished):
+            deep = self._deep_hook.trace_of(f) if self._deep_hook is not None else None
+            summary = self._summary(f, finish_time, offset, deep)
+            if summary is not None:
+                tel.record_finished(summary, deep.carrier if deep is not None else None)
+
+    def _summary(self, f: Any, finish_time: float, offset: float, deep: Any) -> Any:
+        """The RequestSummary of one of vLLM's FinishedRequestStats; ``deep``: what the deep hook
+        saw of that request (None without it)."""
+        r = self.reader
+        reason = r.raw(f, "finish_reason", "vllm:request_success")
+        if reason is MISSING or reason is None:
+            return None
+        e2e = r.number(f, "e2e_latency", "vllm:e2e_request_latency_seconds")
+        num_preemptions = r.number(f, "num_preemptions", "vllm:request_num_preemptions")
+        arrival = finish_time - e2e if e2e is not None else None
+        preemptions: tuple = ()
+        preempted_time = None
+        ttft = None
+        if deep is not None:
+            preemptions = tuple((ts, 0, DEFAULT_PREEMPTION_REASON) for ts in deep.preempted_at)
+            preempted_time = deep.preempted_time(finish_time)
+            if deep.arrival_time is not None:
+                arrival = deep.arrival_time - offset
+            ttft = deep.first_token_latency
+            if num_preemptions is None:
+                num_preemptions = len(preemptions)
+        request_id = r.raw(f, "request_id", "span attribute gen_ai.request.id")
+        max_tokens = r.number(f, "max_tokens_param", "vllm:request_params_max_tokens")
+        return _summary_class()(
+            e2e_latency=e2e,
+            request_id=str(request_id) if request_id not in (MISSING, None) else "",
+            finish_reason=str(reason),
+            arrival_time=arrival if arrival is not None else finish_time,
+            finish_time=finish_time,
+            prompt_tokens=_int(r.number(f, "num_prompt_tokens", "vllm:request_prompt_tokens")),
+            generation_tokens=_int(r.number(f, "num_generation_tokens", "vllm:request_generation_tokens")),
+            max_tokens=_int(max_tokens) or 0,
+            num_preemptions=_int(num_preemptions) or 0,
+            queue_time=r.number(f, "queued_time", "vllm:request_queue_time_seconds"),
+            ttft=ttft,
+            prefill_time=r.number(f, "prefill_time", "vllm:request_prefill_time_seconds"),
+            decode_time=r.number(f, "decode_time", "vllm:request_decode_time_seconds"),
+            inference_time=r.number(f, "inference_time", "vllm:request_inference_time_seconds"),
+            time_per_output_token=r.number(
+                f, "mean_time_per_output_token", "vllm:request_time_per_output_token_seconds"
+            ),
+            preempted_time=preempted_time,
+            recomputed_tokens=0,
+            cached_tokens=_int(getattr(f, "num_cached_tokens", 0)) or 0,
+            preemptions=preemptions,
+        )
+
+    def shutdown(self) -> None:
+        handle = self.handle
+        if handle is not None:
+            try:
+                handle.force_flush()
+            except Exception:  # noqa: BLE001 - a flush must not raise into vLLM
+                _log.exception("otel-llm: flushing the telemetry failed")
+
+
+_summary_cls: list = []
+
+
+def _summary_class() -> type:
+    """A RequestSummary whose ``e2e`` is vLLM's own ``e2e_latency`` when known.
+
+    ``finish_time - arrival_time`` would be vLLM's value only up to float rounding (the arrival
+    is derived from it); the histogram must hold exactly the value vLLM's logger observes.
+    """
+    if not _summary_cls:
+        from otel_llm.summary import RequestSummary
+
+        @dataclasses.dataclass(frozen=True)
+        class VllmRequestSummary(RequestSummary):
+            e2e_latency: Optional[float] = None
+
+            @property
+            def e2e(self) -> float:
+                if self.e2e_latency is not None:
+                    return self.e2e_latency
+                return self.finish_time - self.arrival_time
+
+        _summary_cls.append(VllmRequestSummary)
+    return _summary_cls[0]
+
+
+def _with_vllm_buckets(config: Any, series: Any, vllm_config: Any) -> Any:
+    """The config with vLLM's histogram boundaries where vLLM's settings changed them
+    (``--custom-histogram-buckets``): for every core histogram whose boundaries in vLLM's
+    logger differ from vLLM's defaults (which are ours in the ``vllm`` profile). An explicit
+    ``OTEL_LLM_PREEMPTION_BUCKETS`` / ``OTEL_LLM_MAX_MODEL_LEN`` wins."""
+    defaults = dataclasses.replace(config, naming="vllm", histogram_buckets={})
+    custom = getattr(getattr(vllm_config, "observability_config", None), "custom_histogram_buckets", None) or {}
+    overrides = dict(config.histogram_buckets)
+    preemption = config.preemption_buckets
+    for m in METRICS:
+        family = series.families.get(m.vllm)
+        if m.kind != "histogram" or family is None or not family.bounds:
+            continue
+        if m.key == "request_num_preemptions":
+            # Ours start at 0.5 on purpose: vLLM's apply only when set by the user.
+            if "request_num_preemptions" in custom and not os.environ.get("OTEL_LLM_PREEMPTION_BUCKETS", "").strip():
+                preemption = family.bounds
+        elif m.buckets is request_token_buckets and os.environ.get("OTEL_LLM_MAX_MODEL_LEN", "").strip():
+            continue
+        elif tuple(map(float, m.boundaries(defaults))) != family.bounds:
+            overrides[m.key] = family.bounds
+    try:
+        return dataclasses.replace(config, histogram_buckets=overrides, preemption_buckets=preemption)
+    except ValueError as exc:  # e.g. a boundary <= 0, which vLLM allows and Ray's exporter rejects
+        _log.warning("otel-llm vLLM adapter: vLLM's custom histogram buckets are not used (%s)", exc)
+        return config
+
+
+def _vllm_traces_requests(vllm_config: Any) -> bool:
+    """vLLM's own tracing (``--otlp-traces-endpoint``) makes an ``llm_request`` span per request."""
+    observability = getattr(vllm_config, "observability_config", None)
+    return bool(getattr(observability, "otlp_traces_endpoint", None))
+
+
+def _finish_reasons() -> tuple[str, ...]:
+    """vLLM's finish reasons as its logger labels them (one ``request_success`` series each)."""
+    try:
+        from vllm.v1.engine import FinishReason
+
+        return tuple(str(reason) for reason in FinishReason)
+    except Exception:  # noqa: BLE001 - a vLLM without it: the reasons every vLLM has
+        return ("stop", "length", "abort", "error")
+
+
+def _series(vllm_config: Any, engine_indexes: list[int], naming: str) -> Any:
+    try:
+        from otel_llm.integrations.vllm.series import VllmSeries
+
+        return VllmSeries(vllm_config, engine_indexes, naming)
+    except Exception as exc:  # noqa: BLE001 - vLLM's series are optional: the core metrics stay
+        _log.warning(
+            "otel-llm vLLM adapter: vLLM's series beyond the core metrics are not recorded, their "
+            "logger could not be built (%r)",
+            exc,
+        )
+        return None
+
+
+def _shared_gauges(vllm_config: Any, series: Any, telemetry: dict[int, Any]) -> Any:
+    """With several API servers, the scheduler gauges reported once per engine
+    (:mod:`.vllm_gauges`); None with one, or when they cannot be shared."""
+    try:
+        from otel_llm.integrations.vllm.gauges import share
+
+        return share(vllm_config, series, telemetry)
+    except Exception:  # noqa: BLE001 - sharing is optional: per-process gauges stay
+        _log.exception("otel-llm vLLM adapter: the scheduler gauges stay per API server, sharing them failed")
+        return None
+
+
+def _int(value: Any) -> Optional[int]:
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return int(value)

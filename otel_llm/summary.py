@@ -1,0 +1,41 @@
+"""What is known of one finished request, as plain data: the tracker derives it from the events,
+and engines that hand over derived stats instead of events (vLLM's stat loggers) build it
+themselves (``EngineTelemetry.record_finished``). No OpenTelemetry import."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class RequestSummary:
+    """Everything derived for one finished request. Times: engine monotonic seconds.
+
+    ``None`` means unknown (e.g. a request aborted before it was scheduled has no queue time);
+    unknown values are not observed. ``preemptions`` lists (timestamp, num_computed_tokens,
+    reason) where the source knows them.
+    """
+
+    request_id: str
+    finish_reason: str
+    arrival_time: float
+    finish_time: float
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    max_tokens: int = 0
+    num_preemptions: int = 0
+    queue_time: Optional[float] = None
+    ttft: Optional[float] = None
+    prefill_time: Optional[float] = None
+    decode_time: Optional[float] = None
+    inference_time: Optional[float] = None
+    time_per_output_token: Optional[float] = None
+    preempted_time: Optional[float] = 0.0
+    recomputed_tokens: int = 0
+    cached_tokens: int = 0
+    preemptions: tuple[tuple[float, int, str], ...] = ()
+
+    @property
+    def e2e(self) -> float:
+        return self.finish_time - self.arrival_time
