@@ -6,7 +6,7 @@ side by side in lockstep as in section 2, one engine per variant:
 * ``off`` -- no subscriber;
 * ``healthy`` -- setup_telemetry() exporting to a local receiver (rotel-agent);
 * ``outage`` -- the same, exporting to a port nothing listens on (a collector that is down):
-  every export fails, ``accounting.Backoff`` turns the exports of the next 1-10 s into failures
+  every export fails, ``resilience.Backoff`` turns the exports of the next 1-10 s into failures
   at once (counted, nothing encoded), with a probe in between;
 * ``outage_no_backoff`` -- the outage with the backoff off: every batch is encoded and tried,
   and the SDK retries it until the export timeout.
@@ -44,7 +44,7 @@ EXPORT = dict(
 
 
 def _no_backoff(handle: Any) -> None:
-    """Every export of this handle's span exporter is tried (accounting.Backoff never closes)."""
+    """Every export of this handle's span exporter is tried (resilience.Backoff never closes)."""
     processor = handle.tracer_provider._active_span_processor._span_processors[0]  # SDK internals
     # The counting exporter: in the processor's BatchProcessor (SDK 1.34+), the processor's own before.
     exporter = (

@@ -182,7 +182,7 @@ def micro(number: int = 200_000, repeat: int = 7) -> dict[str, float]:
         "dict.get(EventType member) (identity hash)": ("d.get(T)", {"d": {EventType.TOKENS: 1}}),
         "dict.get(member of an Enum with its own hash)": ("d.get(ix)", {"d": {ix: 1}, "ix": ix}),
         "Tracker.handle(TOKENS), no-op sink": ("h(ev)", {"h": null_tracker.handle}),
-        "FastMetrics.tokens(1, x, None, ctx)": ("f(1, 0.02, None, None)", {"f": m.tokens}),
+        "InProcessRecorder.tokens(1, x, None, ctx)": ("f(1, 0.02, None, None)", {"f": m.tokens}),
         "HistogramCell.observe(x)": ("f(0.02)", {"f": m.h_itl.observe}),
         "bisect_left over the 19 ITL bounds": ("b(B, 0.02)", {"b": bisect_left, "B": INTER_TOKEN_LATENCY}),
         "Tracker.handle(TOKENS) with EngineTelemetry (whole path)": ("h(ev)", {"h": tel.tracker.handle}),

@@ -133,7 +133,7 @@ def breakdown(requests: list) -> dict[str, Any]:
     """Where the time inside the hooks goes, in the engine (cold caches between steps, unlike a
     replay loop): the telemetry's per-request methods wrapped with timers, median and total per
     method, for metrics only and with spans (InMemoryMetricReader; BatchSpanProcessor to a null
-    exporter). Nested: ``RequestSink.request_finished`` includes ``FastMetrics.finished``, which includes the
+    exporter). Nested: ``RequestSink.request_finished`` includes ``InProcessRecorder.finished``, which includes the
     SDK ``record`` of request_num_preemptions."""
     import statistics
 
@@ -158,13 +158,13 @@ def breakdown(requests: list) -> dict[str, Any]:
             return wrapper
 
         m = tel.metrics
-        m.finished = timed(m.finished, "FastMetrics.finished (11 cells)")
+        m.finished = timed(m.finished, "InProcessRecorder.finished (11 cells)")
         sink = tel._sink  # what the tracker calls per request
         sink.request_finished = timed(sink.request_finished, "RequestSink.request_finished (metrics + span end)")
         sink.request_arrived = timed(sink.request_arrived, "RequestSink.request_arrived (span start)")
         sink.request_preempted = timed(sink.request_preempted, "RequestSink.request_preempted")
         sink.first_token = timed(sink.first_token, "RequestSink.first_token")
-        sink.tokens = timed(sink.tokens, "FastMetrics.tokens (counter + ITL cell)")
+        sink.tokens = timed(sink.tokens, "InProcessRecorder.tokens (counter + ITL cell)")
         original = tracker_module.summarize
         tracker_module.summarize = timed(original, "tracker.summarize (RequestSummary)")
         hooks = TimedHooks(tel)

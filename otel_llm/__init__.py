@@ -17,7 +17,7 @@ if TYPE_CHECKING:  # the names for type checkers (re-exported); at run time __ge
     from otel_llm.events import EventType as EventType
     from otel_llm.events import RequestEvent as RequestEvent
     from otel_llm.events import StepStats as StepStats
-    from otel_llm.export.setup import TelemetryHandle as TelemetryHandle
+    from otel_llm.export.handle import TelemetryHandle as TelemetryHandle
     from otel_llm.export.setup import setup_telemetry as setup_telemetry
     from otel_llm.hooks import HookBus as HookBus
     from otel_llm.recording.views import views as views
@@ -32,7 +32,7 @@ _LAZY = {
     "EngineTelemetry": "otel_llm.core.telemetry",
     "views": "otel_llm.recording.views",
     "setup_telemetry": "otel_llm.export.setup",
-    "TelemetryHandle": "otel_llm.export.setup",
+    "TelemetryHandle": "otel_llm.export.handle",
 }
 
 __all__ = sorted(_LAZY)

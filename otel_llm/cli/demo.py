@@ -23,6 +23,8 @@ from otel_llm.cli.render import (
 )
 from otel_llm.config.settings import TelemetryConfig
 
+TORCH_MISSING = "pip install 'otel-llm[engine]' (torch==2.13.0 first for the CPU build), or run `make demo`"
+
 
 class RequestTraces(SpanProcessor):
     """Keeps each finished request span's trace id and preemption count, by request id."""
@@ -66,8 +68,18 @@ def _otlp_configured() -> bool:
 
 def demo(args: argparse.Namespace) -> int:
     # engine_stub needs torch; imported here so that the rest of the CLI does not.
-    from engine_stub import Engine, EngineConfig
-    from engine_stub.workload import WorkloadSpec, generate, run_workload
+    try:
+        from engine_stub import Engine, EngineConfig
+        from engine_stub.workload import WorkloadSpec, generate, run_workload
+    except ModuleNotFoundError as exc:
+        if exc.name != "torch":
+            raise
+        print(
+            f"otel-llm demo: engine_stub needs torch, not installed in this environment ({sys.executable}); "
+            + TORCH_MISSING,
+            file=sys.stderr,
+        )
+        return 2
     from otel_llm.integrations.engine_stub import MODEL_NAME, register
 
     if args.plot:

@@ -1,9 +1,4 @@
-"""The ``otel-llm`` command. ``otel-llm demo``: engine_stub under KV pressure, instrumented.
-
-The demo runs a seeded workload on engine_stub with the plugin on, serves /metrics, exports
-OTLP when ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or a per-signal endpoint) is set, and prints what the
-telemetry recorded: the per-request preemption histogram and the worst requests' trace ids.
-"""
+"""The ``otel-llm`` command: its parser and entry point (``otel_llm.cli:main``)."""
 
 from __future__ import annotations
 
@@ -13,9 +8,15 @@ from typing import Optional, Sequence
 from otel_llm.cli.demo import demo
 from otel_llm.cli.demo_vllm import demo_vllm
 
+DESCRIPTION = (
+    "otel-llm: OpenTelemetry instrumentation for LLM serving engines. Its demos run an engine "
+    "under KV-cache pressure with the plugin on and print what the telemetry recorded: the "
+    "per-request preemption histogram and the worst requests' trace ids."
+)
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="otel-llm", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="otel-llm", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
     d = sub.add_parser(
         "demo",

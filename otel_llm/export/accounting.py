@@ -9,11 +9,9 @@ batch processor's drop hook are wrapped here (SDK internals: otel_llm._sdk.batch
 
 from __future__ import annotations
 
-import contextvars
 import logging
 import threading
-import time
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
@@ -30,13 +28,12 @@ from otel_llm.catalogue.drops import (
     SPANS_EXPORT_FAILED,
     SPANS_QUEUE_FULL,
 )
+from otel_llm.export.resilience import Backoff, export_bound, run_export, when_export_idle
 
 if TYPE_CHECKING:
     from otel_llm.core.telemetry import EngineTelemetry
 
 _log = logging.getLogger(__name__)
-
-# Log records (preemption log events) lost on the way out, by reason.
 
 
 class ExportAccounting:
@@ -120,108 +117,6 @@ def counting_log_processor(
     return processor
 
 
-class Backoff:
-    """While the collector is unreachable, do not even try: after a failed export, the exports
-    of the next ``delay`` seconds fail at once (counted, nothing encoded), then one is let
-    through as a probe; the delay doubles from MIN_S up to MAX_S, and a success resets it.
-
-    Why: the SDK's OTLP exporters re-encode the whole batch on every retry and log each
-    failure; during an outage that work, on exporter threads, takes the GIL from the engine.
-    """
-
-    MIN_S = 1.0
-    MAX_S = 10.0
-
-    def __init__(self) -> None:
-        self._delay = 0.0
-        self._until = 0.0
-
-    def closed(self) -> bool:
-        return time.monotonic() < self._until
-
-    def result(self, ok: bool) -> None:
-        if ok:
-            self._delay = self._until = 0.0
-        else:
-            self._delay = min(self.MAX_S, max(self.MIN_S, 2 * self._delay))
-            self._until = time.monotonic() + self._delay
-
-
-class ExportBound:
-    """Waits at most ``timeout_s`` for an export, which runs on a thread of its own (with the
-    caller's context: the SDK marks its exports there so that instrumented libraries do not trace
-    them). For exporters that retry past their timeout: the OTLP exporters before 1.35 retry an
-    unreachable collector for up to 63 s whatever their timeout.
-
-    An export still running at the deadline counts as failed (should it succeed later, its items
-    arrive although counted lost) and finishes in the background; until it has, the next exports
-    fail at once, and a shutdown of the exporter waits for it there."""
-
-    def __init__(self, timeout_s: float) -> None:
-        self.timeout_s = timeout_s
-        self._lock = threading.Lock()
-        self._running = False
-        self._then: Optional[Callable[[], None]] = None
-
-    def export(self, attempt: Callable[[], Any], failure: Any) -> Any:
-        with self._lock:
-            if self._running:
-                return failure
-            self._running = True
-        result = [failure]
-        context = contextvars.copy_context()
-
-        def run() -> None:
-            result[0] = context.run(attempt)
-            with self._lock:
-                self._running = False
-                then, self._then = self._then, None
-            if then is not None:
-                try:
-                    then()
-                except Exception:  # noqa: BLE001 - a background thread: nobody to raise to
-                    _log.warning("otel_llm: exporter shutdown failed", exc_info=True)
-
-        thread = threading.Thread(target=run, name="otel_llm export", daemon=True)
-        thread.start()
-        thread.join(self.timeout_s)
-        return failure if thread.is_alive() else result[0]
-
-    def when_idle(self, fn: Callable[[], None]) -> None:
-        """``fn()`` now, or after the export still running in the background."""
-        with self._lock:
-            if self._running:
-                self._then = fn
-                return
-        fn()
-
-
-def _attempt(export: Callable[[], Any], failure: Any, what: str, bound: Optional[ExportBound]) -> Any:
-    """``export()``'s result, or ``failure`` if it raised or (with a bound) did not return in time."""
-
-    def attempt() -> Any:
-        try:
-            return export()
-        except Exception:  # noqa: BLE001 - counted, then as the SDK would: logged, batch lost
-            _log.warning("otel_llm: %s export raised", what, exc_info=True)
-            return failure
-
-    return attempt() if bound is None else bound.export(attempt, failure)
-
-
-def _bound(bound_s: Optional[float]) -> Optional[ExportBound]:
-    return None if bound_s is None else ExportBound(bound_s)
-
-
-def _when_idle(bound: Optional[ExportBound], fn: Callable[[], None]) -> None:
-    """An exporter's shutdown: at once, or once its export still running has ended (it waits for
-    that export itself otherwise, holding up the host's shutdown)."""
-    if bound is None:
-        fn()
-    else:
-        bound.when_idle(fn)
-
-
 class _Kind:
     """What a counting exporter exports: its name in ``delivered``, its failure reason, its results."""
 
@@ -230,6 +125,8 @@ class _Kind:
 
 
 _SPANS = _Kind("spans", SPANS_EXPORT_FAILED, SpanExportResult)
+
+
 _LOG_RECORDS = _Kind("log_records", LOG_RECORDS_EXPORT_FAILED, LogRecordExportResult)
 
 
@@ -241,7 +138,7 @@ class _CountingExporter(SpanExporter, LogRecordExporter):
         self._accounting = accounting
         self._kind = kind
         self._backoff = Backoff()
-        self._bound = _bound(bound_s)
+        self._bound = export_bound(bound_s)
 
     def export(self, items: Sequence[Any]) -> Any:
         kind = self._kind
@@ -249,7 +146,7 @@ class _CountingExporter(SpanExporter, LogRecordExporter):
         if self._backoff.closed():
             result = kind.failure
         else:
-            result = _attempt(lambda: self._exporter.export(items), kind.failure, kind.name, self._bound)
+            result = run_export(lambda: self._exporter.export(items), kind.failure, kind.name, self._bound)
             self._backoff.result(result is kind.success)
         if result is kind.success:
             self._accounting.delivered(kind.name, len(items))
@@ -264,7 +161,7 @@ class _CountingExporter(SpanExporter, LogRecordExporter):
             except TypeError:
                 self._exporter.shutdown()
 
-        _when_idle(self._bound, stop)
+        when_export_idle(self._bound, stop)
 
     def force_flush(self, timeout_millis: int = 30_000) -> bool:
         return self._exporter.force_flush(timeout_millis)
@@ -277,14 +174,14 @@ class CountingMetricExporter(MetricExporter):
         self._exporter = exporter
         self._accounting = accounting
         self._backoff = Backoff()
-        self._bound = _bound(bound_s)
+        self._bound = export_bound(bound_s)
 
     def export(self, metrics_data: Any, timeout_millis: float = 10_000, **kwargs: Any) -> MetricExportResult:
         self._accounting.flush()
         if self._backoff.closed():
             result = MetricExportResult.FAILURE
         else:
-            result = _attempt(
+            result = run_export(
                 lambda: self._exporter.export(metrics_data, timeout_millis=timeout_millis, **kwargs),
                 MetricExportResult.FAILURE,
                 "metric",
@@ -307,4 +204,4 @@ class CountingMetricExporter(MetricExporter):
         return self._exporter.force_flush(timeout_millis=timeout_millis)
 
     def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
-        _when_idle(self._bound, lambda: self._exporter.shutdown(timeout_millis=timeout_millis, **kwargs))
+        when_export_idle(self._bound, lambda: self._exporter.shutdown(timeout_millis=timeout_millis, **kwargs))

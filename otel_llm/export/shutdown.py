@@ -3,7 +3,7 @@
 Older SDKs do not bound an export by its timeout: before 1.35, the OTLP exporters retry an
 unreachable collector for up to 63 s whatever their timeout, and a batch span processor's
 shutdown waits for that without limit, so an engine that stopped while its collector was down
-hung for minutes. accounting.ExportBound bounds our own exports; this bounds the rest (a console
+hung for minutes. resilience.ExportBound bounds our own exports; this bounds the rest (a console
 exporter, a user's span processor, a hung shutdown). Each call runs on a thread of its own that
 the caller waits for up to the deadline; a call still running then is left to finish in the
 background (a daemon thread: it does not keep the process alive) and one warning names it.

@@ -11,7 +11,8 @@ import os
 from typing import Any, Optional
 
 from otel_llm.config.settings import TelemetryConfig
-from otel_llm.export.setup import TelemetryHandle, setup_telemetry
+from otel_llm.export.handle import TelemetryHandle
+from otel_llm.export.setup import setup_telemetry
 
 MODEL_NAME = "engine_stub-tiny"  # the model_name label unless OTEL_LLM_MODEL_NAME says otherwise
 
@@ -21,12 +22,14 @@ def register(engine: Any, config: Optional[TelemetryConfig] = None, **setup_kwar
 
     The handle is kept as ``engine.telemetry_handle``: ``engine.telemetry_handle.shutdown()``
     flushes and stops exporters and the Prometheus endpoint. ``setup_kwargs`` go to
-    :func:`otel_llm.setup_telemetry` (e.g. ``extra_metric_readers``).
+    :func:`otel_llm.setup_telemetry` (e.g. ``extra_metric_readers``). A Prometheus port that
+    another process holds leaves this process without /metrics (one warning line), its OTLP
+    metrics and traces on, as every entry point does.
     """
     if config is None:
         overrides = {} if os.environ.get("OTEL_LLM_MODEL_NAME") else {"model_name": MODEL_NAME}
         config = TelemetryConfig.from_env(None, **overrides)
-    handle = setup_telemetry(config, **setup_kwargs)
+    handle = setup_telemetry(config, **{"port_taken": "warn", **setup_kwargs})
     engine.hooks.subscribe(handle.telemetry)
     engine.telemetry_handle = handle
     return handle

@@ -153,7 +153,7 @@ class _CellAggregation(sdk_aggregation.ExplicitBucketHistogramAggregation):
                 return None
             return self._point(exemplars, start, collection_start_nano, delta, point_sum, window_min, window_max)
         # A series with no observation yet is exported at zero, as prometheus_client does
-        # (the metric hub yields only cells that have observations).
+        # (the provider instruments yield only cells that have observations).
         return self._point(exemplars, self._start_time_unix_nano, collection_start_nano, counts, total, cmin, cmax)
 
     def _point(

@@ -1,5 +1,5 @@
-"""accounting.Backoff: while exports fail, later ones fail at once (counted, not sent) until a
-probe; accounting.ExportBound: an export is waited for at most its bound.
+"""resilience.Backoff: while exports fail, later ones fail at once (counted, not sent) until a
+probe; resilience.ExportBound: an export is waited for at most its bound.
 
 The exporters here are stand-ins that fail or hang on demand: faults (a collector answering
 errors at exactly chosen moments, an export that returns only when told) that a real collector
@@ -19,7 +19,7 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from otel_llm.catalogue.drops import SPANS_EXPORT_FAILED, SPANS_QUEUE_FULL
-from otel_llm.export import accounting
+from otel_llm.export import accounting, resilience
 from tests.support.sdk_versions import needs_sdk
 
 
@@ -35,7 +35,7 @@ class Flaky(SpanExporter):
 
 def test_backoff_skips_exports_until_the_probe_and_counts_everything(monkeypatch):
     now = [100.0]
-    monkeypatch.setattr(accounting.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(resilience.time, "monotonic", lambda: now[0])
     acc = accounting.ExportAccounting()
     inner = Flaky()
     processor = accounting.counting_processor(inner, acc)
@@ -64,8 +64,8 @@ def test_backoff_skips_exports_until_the_probe_and_counts_everything(monkeypatch
 
 def test_backoff_delay_doubles_up_to_its_cap(monkeypatch):
     now = [0.0]
-    monkeypatch.setattr(accounting.time, "monotonic", lambda: now[0])
-    backoff = accounting.Backoff()
+    monkeypatch.setattr(resilience.time, "monotonic", lambda: now[0])
+    backoff = resilience.Backoff()
     delays = []
     for _ in range(6):
         backoff.result(False)
@@ -129,7 +129,7 @@ def test_spans_dropped_on_a_full_queue_are_counted_once_each_whatever_the_export
 
 
 def test_an_export_past_its_bound_fails_and_the_next_ones_fail_at_once_until_it_ends():
-    bound = accounting.ExportBound(0.2)
+    bound = resilience.ExportBound(0.2)
     failure, success = SpanExportResult.FAILURE, SpanExportResult.SUCCESS
     release, shut = threading.Event(), threading.Event()
     calls = []

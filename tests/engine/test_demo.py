@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import math
 import queue
@@ -225,3 +226,33 @@ def test_plot_writes_the_chart_as_png(tmp_path: Path, capsys: pytest.CaptureFixt
     assert main(argv) == 0
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"chart written to {chart}" in capsys.readouterr().out
+
+
+def test_help_is_plain_text() -> None:
+    proc = subprocess.run([sys.executable, "-m", "otel_llm.cli", "--help"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "otel-llm: OpenTelemetry instrumentation" in proc.stdout
+    assert "``" not in proc.stdout and ":mod:" not in proc.stdout, proc.stdout
+
+
+def test_demo_without_torch_says_what_to_install_in_one_line() -> None:
+    # A Python without torch, as after `pip install otel-llm` without the engine extra: torch is
+    # hidden from the import system (None in sys.modules), which a second venv would cost minutes for.
+    code = "import sys; sys.modules['torch'] = None; from otel_llm.cli import main; sys.exit(main(['demo']))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "pip install 'otel-llm[engine]'" in lines[0] and "make demo" in lines[0], lines
+
+
+def test_demo_vllm_without_vllm_says_what_to_run_in_one_line() -> None:
+    assert importlib.util.find_spec("vllm") is None
+    proc = subprocess.run(
+        [sys.executable, "-m", "otel_llm.cli", "demo-vllm"], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "make demo-vllm" in lines[0], lines

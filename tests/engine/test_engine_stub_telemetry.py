@@ -13,7 +13,7 @@ import pytest
 from engine_stub import Engine, EngineConfig, RequestOutput
 from engine_stub.workload import WorkloadSpec, generate, run_workload
 from otel_llm import EngineTelemetry, TelemetryConfig
-from otel_llm.export.setup import TelemetryHandle
+from otel_llm.export.handle import TelemetryHandle
 from otel_llm.testing import in_memory_telemetry
 from tests.support.otel_helpers import attrs
 

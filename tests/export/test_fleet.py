@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import os
 import re
+import socket
 import subprocess
 import sys
 from collections import Counter, defaultdict
@@ -78,8 +79,8 @@ def _fleet_env(rotel: Any, **settings: str) -> dict[str, str]:
         OTEL_TRACES_EXPORTER="otlp",
         OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{rotel.grpc_port}",
         OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
-        **settings,
     )
+    env.update(settings)
     return env
 
 
@@ -160,6 +161,61 @@ def test_a_fleet_of_engine_processes_adds_up_exactly_at_the_collector(clean_env,
             for s in spans
         )
         assert buckets == [per_span.get(i, 0) for i in range(len(REQUEST_NUM_PREEMPTIONS) + 1)]
+
+
+def test_engine_processes_sharing_a_taken_prometheus_port_still_push_everything(clean_env):
+    """Two engine_stub processes (the plugin loaded by its entry point) told to serve /metrics on
+    a port another process holds: each says so in one line and serves none, and every request
+    still reaches the collector over OTLP, each process's totals exact."""
+    with rotel_to_sink() as (sink, rotel), socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen(1)
+        port = holder.getsockname()[1]
+        env = _fleet_env(
+            rotel,
+            OTEL_METRICS_EXPORTER="prometheus,otlp",
+            OTEL_EXPORTER_PROMETHEUS_PORT=str(port),
+            OTEL_METRIC_EXPORT_INTERVAL="500",
+        )
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "engine_stub",
+                    "--requests",
+                    str(REQUESTS),
+                    "--seed",
+                    str(i),
+                    "--kv-blocks",
+                    "24",
+                ],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for i in range(2)
+        ]
+        truths = []
+        for proc in procs:
+            out, err = proc.communicate(timeout=600)
+            assert proc.returncode == 0, err[-2000:]
+            said = [line for line in err.splitlines() if "no /metrics endpoint in this process" in line]
+            assert len(said) == 1 and f"127.0.0.1:{port}" in said[0] and "OTEL_LLM_PROMETHEUS_PORTS" in said[0], err
+            truths.append(_ground_truth(out))
+        wait_until(lambda: len(sink.spans()) >= 2 * REQUESTS, 60, interval=0.1, what="every request span")
+
+        def totals() -> list[tuple[int, int]]:
+            success = _per_process(sink, "vllm:request_success", False)
+            preemptions = _per_process(sink, "vllm:num_preemptions", False)
+            return sorted((int(sum(success[i].values())), int(sum(preemptions.get(i, {}).values()))) for i in success)
+
+        try:
+            wait_until(lambda: totals() == sorted(truths), 60, interval=0.1, what="every process's totals")
+        except TimeoutError:
+            assert totals() == sorted(truths)
+        assert len(sink.spans()) == 2 * REQUESTS
 
 
 def test_a_process_killed_mid_export_leaves_the_survivors_totals_exact(clean_env):

@@ -231,6 +231,33 @@ def test_taken_port_raises_clear_oserror():
         endpoint.shutdown()
 
 
+def test_setup_telemetry_with_a_taken_port_raises_unless_told_to_warn(caplog):
+    """One rule for a taken port: a program that asked for it gets the OSError; an entry point
+    (port_taken="warn") gets one line naming the address and OTEL_LLM_PROMETHEUS_PORTS, no
+    /metrics, and its other exporters."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        config = TelemetryConfig(metrics_exporters=("prometheus", "console"), traces_exporters=("none",))
+        env = {"OTEL_EXPORTER_PROMETHEUS_PORT": str(port)}
+        with pytest.raises(OSError, match=rf"127\.0\.0\.1:{port}"):
+            setup_telemetry(config, environ=env)
+        with caplog.at_level("WARNING", logger="otel_llm.export.setup"):
+            handle = setup_telemetry(config, environ=env, port_taken="warn")
+        try:
+            said = [r.getMessage() for r in caplog.records if "no /metrics endpoint" in r.getMessage()]
+            assert len(said) == 1, said
+            assert f"127.0.0.1:{port}" in said[0] and "OTEL_LLM_PROMETHEUS_PORTS" in said[0], said
+            assert "console" in said[0], said  # the exporters that go on
+            assert handle.prometheus is None
+            assert handle.prometheus_port is None
+        finally:
+            handle.shutdown()
+        with pytest.raises(ValueError, match="port_taken"):
+            setup_telemetry(config, environ=env, port_taken="ignore")
+
+
 def test_shutdown_idempotent_stops_serving_and_unregisters():
     endpoint = PrometheusEndpoint(port=0)
     mp = MeterProvider(metric_readers=[endpoint.reader])

@@ -136,7 +136,7 @@ BAD_ENV = [
     ("OTEL_METRICS_EXEMPLAR_FILTER", "sometimes", ("must be one of",)),
     ("OTEL_SDK_DISABLED", "perhaps", ("not a boolean",)),
 ]
-# Parsed by setup_telemetry (providers.py), not by TelemetryConfig.
+# Parsed by setup_telemetry (otel_llm/export/setup.py), not by TelemetryConfig.
 BAD_SETUP_ENV = [
     ("OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", "thrift", ("must be",)),
     ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/json", ("must be",)),

@@ -331,7 +331,7 @@ def test_exit_without_shutdown_delivers_what_is_pending():
 
 
 def test_exit_with_a_hung_collector_waits_at_most_the_shutdown_bound():
-    from otel_llm.export.setup import SHUTDOWN_TIMEOUT_MILLIS
+    from otel_llm.export.handle import SHUTDOWN_TIMEOUT_MILLIS
 
     with silent_collector() as endpoint:
         elapsed, err = _exit_without_shutdown(endpoint, HUNG_EXPORT_TIMEOUT_S)

@@ -61,7 +61,7 @@ MEMORY_STEPS = 1000
 SCRAPE_STEPS = 600
 # The telemetry's extra CPU during the outage, per CPU second of the engine thread. Measured
 # about -0.025 (fewer exports while the collector is down; about -0.006 without
-# accounting.Backoff). 0.05 is a margin no noisy machine crosses: it guards against an export
+# resilience.Backoff). 0.05 is a margin no noisy machine crosses: it guards against an export
 # path that makes the engine's hooks or the exporter threads work much harder during an outage
 # (exporter threads spending 0.1 s of CPU per failed export measure +0.5); bench section 6 has
 # the precise figure.
@@ -394,7 +394,7 @@ def test_collector_outage_does_not_slow_or_block_the_engine_and_losses_are_count
         # What was dropped is counted, on the metric too.
         drops = dict(handle.accounting.dropped)
         # Batches given up after retries, or failed at once while the collector stays unreachable
-        # (accounting.Backoff); the queue may overflow as well.
+        # (resilience.Backoff); the queue may overflow as well.
         assert drops.get(drop_reasons.SPANS_EXPORT_FAILED, 0) > 0, drops
         on_metric = _dropped(reader)
         for reason, n in drops.items():

@@ -4,9 +4,7 @@ vLLM builds (one per engine index, or one for all): a handle a program gave
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import os
 import threading
 from typing import Any, Sequence
 
@@ -50,22 +48,11 @@ def get_handle(config: Any, extra_views: Sequence[Any]) -> Any:
 
 
 def setup(config: Any, extra_views: Sequence[Any]) -> Any:
-    """setup_telemetry; when the Prometheus port is taken (another process on this host has
-    it), the rest without /metrics here: OTLP and traces keep working."""
-    from otel_llm import setup_telemetry
+    """setup_telemetry as every entry point calls it: a Prometheus port that another process on
+    this host holds leaves this process without /metrics, its OTLP metrics and traces on."""
+    from otel_llm.export.setup import setup_telemetry
 
-    try:
-        return setup_telemetry(config, extra_views=extra_views)
-    except OSError as exc:
-        exporters = config.with_env_defaults(os.environ).metrics_exporters or ()
-        others = tuple(e for e in exporters if e != "prometheus") or ("none",)
-        _log.warning(
-            "otel-llm: no /metrics endpoint in this process (%s; OTEL_LLM_PROMETHEUS_PORTS=N gives each "
-            "process on a host a port of its own); metrics exporters %s and traces go on",
-            exc,
-            ",".join(others),
-        )
-        return setup_telemetry(dataclasses.replace(config, metrics_exporters=others), extra_views=extra_views)
+    return setup_telemetry(config, extra_views=extra_views, port_taken="warn")
 
 
 def current() -> Any:
