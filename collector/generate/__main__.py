@@ -5,23 +5,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-from .dashboard import DASHBOARDS_DIR, WrongSDK, dashboard_file, render_dashboard
-from .profiles import PROFILES, Profile
-from .rules import RULES_DIR, render_rules, render_tests, rules_file, tests_file
-
-
-def generated_files() -> dict[Path, str]:
-    """Every generated file, path -> text, for both naming profiles."""
-    out: dict[Path, str] = {}
-    for naming in PROFILES:
-        p = Profile(naming)
-        out[DASHBOARDS_DIR / dashboard_file(p)] = render_dashboard(p)
-        out[RULES_DIR / rules_file(p)] = render_rules(p)
-        if naming != "vllm":  # the vllm profile's unit tests are the hand-written source of the others
-            out[RULES_DIR / tests_file(p)] = render_tests(p)
-    return out
+from . import generated_files
+from .sdk import WrongSDK
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,8 +25,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{path}: differs from the generator's output (run `make dashboards`)", file=sys.stderr)
         return 1 if stale else 0
     for path in stale:
-        path.write_text(text := files[path])
-        print(f"wrote {path} ({len(text.splitlines())} lines)")
+        path.write_text(files[path])
+        print(f"wrote {path}")
     return 0
 
 

@@ -7,49 +7,22 @@ trace in Tempo. Datasource uids are read from the provisioning file, the one pla
 
 from __future__ import annotations
 
+import itertools
 import json
-import tomllib
 from dataclasses import dataclass
-from importlib import metadata
-from pathlib import Path
 from typing import Any
 
 import yaml
+from grafana_foundation_sdk.builders import common as cb
+from grafana_foundation_sdk.builders import dashboard, heatmap, prometheus, timeseries
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models import common
+from grafana_foundation_sdk.models import dashboard as dm
+from grafana_foundation_sdk.models import heatmap as hm
+from grafana_foundation_sdk.models import prometheus as pm
 
+from .paths import DATASOURCES
 from .profiles import Profile
-
-COLLECTOR = Path(__file__).resolve().parents[1]
-DASHBOARDS_DIR = COLLECTOR / "grafana" / "dashboards"
-DATASOURCES = COLLECTOR / "grafana" / "provisioning" / "datasources" / "datasources.yaml"
-PYPROJECT = COLLECTOR.parent / "pyproject.toml"
-SDK = "grafana-foundation-sdk"
-
-
-class WrongSDK(RuntimeError):
-    """grafana-foundation-sdk is missing, or is not the build the dashboards are pinned to."""
-
-
-def sdk_pin() -> str:
-    """The SDK version pinned by pyproject's ``dashboards`` extra (one build per Grafana release)."""
-    extras = tomllib.loads(PYPROJECT.read_text())["project"]["optional-dependencies"]["dashboards"]
-    (requirement,) = [r for r in extras if r.startswith(SDK + "==")]
-    return requirement.split("==", 1)[1]
-
-
-def check_sdk() -> None:
-    pin = sdk_pin()
-    fix = f"pip install '{SDK}=={pin}' (the `dashboards` extra: pip install -e '.[dashboards]')"
-    try:
-        installed = metadata.version(SDK)
-    except metadata.PackageNotFoundError:
-        raise WrongSDK(f"{SDK} is not installed; the dashboards are built with {SDK}=={pin}: {fix}") from None
-    if installed != pin:
-        # A plain install picks another Grafana's build, whose panels and schema differ.
-        raise WrongSDK(f"{SDK} {installed} is installed; the dashboards are built with {SDK}=={pin}: {fix}")
-
-
-def dashboard_file(p: Profile) -> str:
-    return "otel-llm.json" if p.naming == "vllm" else f"otel-llm-{p.naming}.json"
 
 
 def datasource_uids() -> dict[str, str]:
@@ -64,9 +37,6 @@ class Target:
 
 
 def render_dashboard(p: Profile) -> str:
-    check_sdk()
-    from grafana_foundation_sdk.cog.encoder import JSONEncoder
-
     return json.dumps(_Builder(p).dashboard().build(), cls=JSONEncoder, indent=2, ensure_ascii=False) + "\n"
 
 
@@ -74,13 +44,11 @@ class _Builder:
     """The panels of one profile's dashboard."""
 
     def __init__(self, p: Profile) -> None:
-        from grafana_foundation_sdk.models import dashboard as dm
-
         self.p = p
         uids = datasource_uids()
         self.prometheus = dm.DataSourceRef(type_val="prometheus", uid=uids["prometheus"])
         self.tempo_uid = uids["tempo"]
-        self.ids = iter(range(1, 1000))
+        self.ids = itertools.count(1)
         self.by = p.by
         self.who = f"{{{{{p.model}}}}} / {{{{{p.engine}}}}}"
 
@@ -101,7 +69,9 @@ class _Builder:
         return f"histogram_quantile({q}, sum by (le, {self.by}) (rate({bucket}[$__rate_interval])))"
 
     def quantiles(self, key: str) -> list[Target]:
-        return [Target(self.quantile(key, q), f"p{q[2:].ljust(2, '0')} {self.who}", True) for q in ("0.5", "0.9", "0.99")]
+        return [
+            Target(self.quantile(key, q), f"p{q[2:].ljust(2, '0')} {self.who}", True) for q in ("0.5", "0.9", "0.99")
+        ]
 
     def share(self, le: str) -> str:
         key = "request_num_preemptions"
@@ -127,9 +97,6 @@ class _Builder:
         stacked: bool = False,
         min_zero: bool = True,
     ) -> Any:
-        from grafana_foundation_sdk.builders import common as cb
-        from grafana_foundation_sdk.builders import timeseries
-        from grafana_foundation_sdk.models import common
 
         panel = (
             timeseries.Panel()
@@ -163,11 +130,7 @@ class _Builder:
             panel = panel.max(1)
         return self._targets(panel, targets)
 
-    def _targets(self, panel: Any, targets: list[Target], heatmap: bool = False) -> Any:
-        from grafana_foundation_sdk.builders import prometheus
-        from grafana_foundation_sdk.models import dashboard as dm
-        from grafana_foundation_sdk.models import prometheus as pm
-
+    def _targets(self, panel: Any, targets: list[Target], as_heatmap: bool = False) -> Any:
         for ref, t in zip("ABCDEFGH", targets):
             query = (
                 prometheus.Dataquery()
@@ -178,7 +141,7 @@ class _Builder:
                 .range()
                 .exemplar(t.exemplar)
             )
-            panel = panel.with_target(query.format(pm.PromQueryFormat.HEATMAP) if heatmap else query)
+            panel = panel.with_target(query.format(pm.PromQueryFormat.HEATMAP) if as_heatmap else query)
         if any(t.exemplar for t in targets):
             trace = {
                 "title": "Trace in Tempo",
@@ -193,10 +156,6 @@ class _Builder:
         return panel
 
     def heatmap(self) -> Any:
-        from grafana_foundation_sdk.builders import heatmap
-        from grafana_foundation_sdk.models import common
-        from grafana_foundation_sdk.models import heatmap as hm
-
         name = self.p.base("request_num_preemptions")
         panel = (
             heatmap.Panel()
@@ -236,17 +195,12 @@ class _Builder:
         )
         bucket = self.sel(self.p.bucket("request_num_preemptions"))
         target = Target(f"sum by (le) (increase({bucket}[$__rate_interval]))", "{{le}}", True)
-        return self._targets(panel, [target], heatmap=True)
+        return self._targets(panel, [target], as_heatmap=True)
 
     def row(self, title: str) -> Any:
-        from grafana_foundation_sdk.builders import dashboard
-
         return dashboard.Row(title).id(next(self.ids))
 
     def dashboard(self) -> Any:
-        from grafana_foundation_sdk.builders import dashboard
-        from grafana_foundation_sdk.models import dashboard as dm
-
         p, who = self.p, self.who
         reason, finish = p.extra_label("num_preemptions_by_reason"), p.extra_label("request_success")
         drop_reason = p.extra_label("dropped_events")
@@ -445,9 +399,6 @@ class _Builder:
         return b
 
     def variable(self, name: str, label: str, label_name: str, matchers: str) -> Any:
-        from grafana_foundation_sdk.builders import dashboard
-        from grafana_foundation_sdk.models import dashboard as dm
-
         query = f"label_values({self.p.count('request_num_preemptions')}{matchers}, {label_name})"
         return (
             dashboard.QueryVariable(name)

@@ -35,15 +35,15 @@ class Profile:
 
     def label(self, role: str) -> str:
         """The Prometheus label of ``role``: "model", "engine", "finished_reason" or "reason"."""
-        return sanitize(label_key(self.config, role)) if role != "model" else self.model
+        return sanitize(label_key(self.config, role))
 
     @property
     def model(self) -> str:
-        return sanitize(label_key(self.config, "model"))
+        return self.label("model")
 
     @property
     def engine(self) -> str:
-        return sanitize(label_key(self.config, "engine"))
+        return self.label("engine")
 
     @property
     def by(self) -> str:
