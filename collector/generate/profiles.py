@@ -11,8 +11,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from otel_llm.catalogue.metrics import BY_KEY, MetricDef, label_key
 from otel_llm.config import TelemetryConfig
-from otel_llm.metrics import BY_KEY, MetricDef, label_key
 
 PROFILES = ("vllm", "semconv")
 

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import yaml
 
-from otel_llm.metrics import METRICS
+from otel_llm.catalogue.metrics import METRICS
 
 from .paths import RULES_DIR, rule_tests_file, rules_file
 from .profiles import Profile
