@@ -100,7 +100,6 @@ class _Builder:
 
         panel = (
             timeseries.Panel()
-            .id(next(self.ids))
             .title(title)
             .description(description)
             .datasource(self.prometheus)
@@ -159,7 +158,6 @@ class _Builder:
         name = self.p.base("request_num_preemptions")
         panel = (
             heatmap.Panel()
-            .id(next(self.ids))
             .title("Preemptions per finished request (distribution)")
             .description(
                 f"Finished requests per bucket of {name} in each interval. The lowest row (le 0.5) holds the "
@@ -197,14 +195,8 @@ class _Builder:
         target = Target(f"sum by (le) (increase({bucket}[$__rate_interval]))", "{{le}}", True)
         return self._targets(panel, [target], as_heatmap=True)
 
-    def row(self, title: str) -> Any:
-        return dashboard.Row(title).id(next(self.ids))
-
     def dashboard(self) -> Any:
-        p, who = self.p, self.who
-        reason, finish = p.extra_label("num_preemptions_by_reason"), p.extra_label("request_success")
-        drop_reason = p.extra_label("dropped_events")
-        preempted_time = p.base("request_preempted_time_seconds")
+        p = self.p
         b = (
             dashboard.Dashboard("otel-llm: preemptions and latency" + ("" if p.naming == "vllm" else f" ({p.naming})"))
             .uid("otel-llm-preemptions" + ("" if p.naming == "vllm" else f"-{p.naming}"))
@@ -232,9 +224,25 @@ class _Builder:
             .with_variable(self.variable("model_name", "model", p.model, ""))
             .with_variable(self.variable("engine", "engine", p.engine, f'{{{p.model}=~"$model_name"}}'))
         )
-        b = b.with_row(self.row("Preemptions per request"))
-        b = b.with_panel(self.heatmap())
-        b = b.with_panel(
+        rows = (
+            ("Preemptions per request", self._preemption_panels()),
+            ("Scheduler", self._scheduler_panels()),
+            ("Latency", self._latency_panels()),
+            ("Throughput and telemetry health", self._throughput_panels()),
+        )
+        for title, panels in rows:
+            b = b.with_row(dashboard.Row(title).id(next(self.ids)))
+            for panel in panels:
+                b = b.with_panel(panel.id(next(self.ids)))
+        return b
+
+    def _preemption_panels(self) -> list[Any]:
+        """The panels of the row "Preemptions per request"."""
+        p, who = self.p, self.who
+        reason = p.extra_label("num_preemptions_by_reason")
+        panels: list[Any] = []
+        panels.append(self.heatmap())
+        panels.append(
             self.timeseries(
                 "Preemptions per request: p50 / p90 / p99",
                 "Per-request preemption count quantiles over finished requests (histogram_quantile over the "
@@ -246,7 +254,7 @@ class _Builder:
                 min_zero=False,
             )
         )
-        b = b.with_panel(
+        panels.append(
             self.timeseries(
                 "Share of finished requests preempted",
                 "Preempted at least once = 1 - bucket{le=0.5}/count; thrashing (preempted 5+ times) = 1 - "
@@ -259,7 +267,7 @@ class _Builder:
                 max_one=True,
             )
         )
-        b = b.with_panel(
+        panels.append(
             self.timeseries(
                 "Preemptions by reason",
                 "Preemptions per second, by reason (e.g. kv_cache_full).",
@@ -270,7 +278,7 @@ class _Builder:
                 unit="ops",
             )
         )
-        b = b.with_panel(
+        panels.append(
             self.timeseries(
                 "Recomputed tokens",
                 "Tokens thrown away by preemption and computed again, per second, next to the prompt and "
@@ -283,17 +291,23 @@ class _Builder:
                 unit="short",
             )
         )
-        b = b.with_panel(
+        panels.append(
             self.timeseries(
                 "Time spent preempted per request: p50 / p90 / p99",
-                f"Seconds a request spent between a preemption and its resumption ({preempted_time}).",
+                "Seconds a request spent between a preemption and its resumption "
+                f"({p.base('request_preempted_time_seconds')}).",
                 self.quantiles("request_preempted_time_seconds"),
                 unit="s",
             )
         )
-        b = b.with_row(self.row("Scheduler"))
+        return panels
+
+    def _scheduler_panels(self) -> list[Any]:
+        """The panels of the row "Scheduler"."""
+        p, who = self.p, self.who
+        panels: list[Any] = []
         gauge = "sum by ({by}) ({series})"
-        b = b.with_panel(
+        panels.append(
             self.timeseries(
                 "Running and waiting requests",
                 "Requests in the running batch and in the waiting queue (including preempted ones).",
@@ -310,7 +324,7 @@ class _Builder:
                 unit="short",
             )
         )
-        b = b.with_panel(
+        panels.append(
             self.timeseries(
                 "KV cache usage",
                 "Fraction of KV cache blocks in use (0..1). Preemptions start when it reaches 1.",
@@ -320,13 +334,18 @@ class _Builder:
                 max_one=True,
             )
         )
-        b = b.with_row(self.row("Latency"))
+        return panels
+
+    def _latency_panels(self) -> list[Any]:
+        """The panels of the row "Latency"."""
+        p, who = self.p, self.who
+        panels: list[Any] = []
         for key, title in (
             ("time_to_first_token_seconds", "Time to first token"),
             ("inter_token_latency_seconds", "Inter-token latency"),
             ("e2e_request_latency_seconds", "End-to-end request latency"),
         ):
-            b = b.with_panel(
+            panels.append(
                 self.timeseries(
                     f"{title}: p50 / p90 / p99",
                     f"{p.base(key)}. Exemplars link to request traces.",
@@ -336,7 +355,7 @@ class _Builder:
                 )
             )
         phases = ("queue", "prefill", "decode", "inference")
-        b = b.with_panel(
+        panels.append(
             self.timeseries(
                 "Request phases: p90",
                 "p90 of the time requests spend queued, in prefill, in decode, and in inference (prefill + decode).",
@@ -345,7 +364,7 @@ class _Builder:
             )
         )
         tpot = "request_time_per_output_token_seconds"
-        b = b.with_panel(
+        panels.append(
             self.timeseries(
                 "Time per output token: p50 / p90 / p99",
                 f"{p.base(tpot)} (decode time / generated tokens, per request).",
@@ -353,8 +372,14 @@ class _Builder:
                 unit="s",
             )
         )
-        b = b.with_row(self.row("Throughput and telemetry health"))
-        b = b.with_panel(
+        return panels
+
+    def _throughput_panels(self) -> list[Any]:
+        """The panels of the row "Throughput and telemetry health"."""
+        p, who = self.p, self.who
+        finish, drop_reason = p.extra_label("request_success"), p.extra_label("dropped_events")
+        panels: list[Any] = []
+        panels.append(
             self.timeseries(
                 "Finished requests by reason",
                 f"Finished requests per second by {finish} (stop, length, abort, error).",
@@ -370,7 +395,7 @@ class _Builder:
             ("request_params_max_tokens", "max_tokens"),
             ("iteration_tokens_total", "per step"),
         )
-        b = b.with_panel(
+        panels.append(
             self.timeseries(
                 "Tokens per request: p90",
                 "p90 of prompt tokens, generated tokens and requested max_tokens per request, and of tokens per "
@@ -381,7 +406,7 @@ class _Builder:
             )
         )
         drops = self.sel(p.series("dropped_events"))
-        b = b.with_panel(
+        panels.append(
             self.timeseries(
                 "Dropped telemetry events",
                 "Events the plugin could not apply and dropped, by reason (alert OtelLLMTelemetryDroppingEvents). "
@@ -396,7 +421,7 @@ class _Builder:
                 width=8,
             )
         )
-        return b
+        return panels
 
     def variable(self, name: str, label: str, label_name: str, matchers: str) -> Any:
         query = f"label_values({self.p.count('request_num_preemptions')}{matchers}, {label_name})"
