@@ -616,3 +616,14 @@ def test_generator_names_the_pin_when_another_sdk_build_is_installed(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert f"{generator_sdk.SDK} {other} is installed" in proc.stderr
     assert f"{generator_sdk.SDK}=={pin}" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_plugin_never_imports_the_dashboard_sdk():
+    """grafana-foundation-sdk is a build-time dependency (the ``dashboards`` extra) of collector/generate only."""
+    users = [
+        str(path.relative_to(ROOT))
+        for top in ("otel_llm", "engine_stub")
+        for path in (ROOT / top).rglob("*.py")
+        if "grafana_foundation_sdk" in path.read_text() or "collector.generate" in path.read_text()
+    ]
+    assert not users, users
