@@ -62,5 +62,10 @@ $(VENV)/.lint-ready: $(READY)
 bench: $(READY)
 	$(PY) -m bench $(ARGS)
 
+# collector/'s dashboards and rules, both naming profiles, from the metric table (collector/generate).
+.PHONY: dashboards
+dashboards: $(READY)
+	$(PY) -m collector.generate
+
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

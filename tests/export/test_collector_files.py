@@ -1,4 +1,5 @@
-"""The operator-facing files in collector/: valid for the tools that read them, and consistent with each other.
+"""The operator-facing files in collector/: valid for the tools that read them, consistent with each other,
+and, for the dashboards and rules of both naming profiles, equal to what collector/generate makes.
 
 The OpenTelemetry Collector, Tempo, Grafana and Docker cannot run here, so their files are checked by
 structure and by cross-references (ports, uids, mounts). Prometheus' files are checked by promtool
@@ -13,24 +14,28 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
+from collector.generate import generated_files, paths
+from collector.generate import sdk as generator_sdk
+from collector.generate.profiles import PROFILES, Profile
 from tests.support import promql as expressions
 
 ROOT = Path(__file__).resolve().parents[2]
 COLLECTOR = ROOT / "collector"
-RULES = COLLECTOR / "rules" / "otel-llm.rules.yml"
-RULES_TEST = COLLECTOR / "rules" / "otel-llm.rules.test.yml"
+RULES = {p: COLLECTOR / "rules" / paths.rules_file(Profile(p)) for p in PROFILES}
+RULES_TEST = {p: COLLECTOR / "rules" / paths.rule_tests_file(Profile(p)) for p in PROFILES}
 PROMETHEUS_YML = COLLECTOR / "prometheus.yml"
 OTELCOL = COLLECTOR / "otel-collector.yaml"
 AGENT = COLLECTOR / "otel-collector-agent.yaml"  # a fleet: one per host
 GATEWAY = COLLECTOR / "otel-collector-gateway.yaml"  # a fleet: the agents' destination
 TEMPO = COLLECTOR / "tempo.yaml"
 COMPOSE = COLLECTOR / "docker-compose.yaml"
-DASHBOARD = COLLECTOR / "grafana" / "dashboards" / "otel-llm.json"
+DASHBOARD = {p: expressions.dashboard_path(p) for p in PROFILES}
 DATASOURCES = COLLECTOR / "grafana" / "provisioning" / "datasources" / "datasources.yaml"
 DASH_PROVIDERS = COLLECTOR / "grafana" / "provisioning" / "dashboards" / "dashboards.yaml"
 
@@ -65,16 +70,18 @@ def run_promtool(promtool: str, *args: str, cwd: Path | None = None) -> subproce
 
 
 @pytest.mark.backend
-def test_promtool_check_rules(promtool):
-    proc = run_promtool(promtool, "check", "rules", str(RULES))
-    n_rules = sum(len(g["rules"]) for g in load_yaml(RULES)["groups"])
+@pytest.mark.parametrize("profile", PROFILES)
+def test_promtool_check_rules(promtool, profile):
+    proc = run_promtool(promtool, "check", "rules", str(RULES[profile]))
+    n_rules = sum(len(g["rules"]) for g in load_yaml(RULES[profile])["groups"])
     assert f"SUCCESS: {n_rules} rules found" in proc.stdout
 
 
 @pytest.mark.backend
-def test_promtool_unit_tests_pass(promtool):
+@pytest.mark.parametrize("profile", PROFILES)
+def test_promtool_unit_tests_pass(promtool, profile):
     # Run from elsewhere: rule_files in the test file resolve relative to the test file.
-    proc = run_promtool(promtool, "test", "rules", str(RULES_TEST), cwd=ROOT)
+    proc = run_promtool(promtool, "test", "rules", str(RULES_TEST[profile]), cwd=ROOT)
     assert "SUCCESS" in proc.stdout and "FAILED" not in proc.stdout
 
 
@@ -82,13 +89,15 @@ def test_promtool_unit_tests_pass(promtool):
 def test_promtool_check_config_resolves_rules_relative_to_the_config(promtool, tmp_path):
     proc = run_promtool(promtool, "check", "config", str(PROMETHEUS_YML), cwd=tmp_path)
     assert "SUCCESS" in proc.stdout
-    assert "rules/otel-llm.rules.yml" in proc.stdout  # the rule file was found and checked too
+    for path in RULES.values():  # every rule file was found and checked too
+        assert f"rules/{path.name}" in proc.stdout
 
 
 @pytest.mark.backend
-def test_every_shipped_expression_parses(promtool, tmp_path):
+@pytest.mark.parametrize("profile", PROFILES)
+def test_every_shipped_expression_parses(promtool, tmp_path, profile):
     """Each dashboard/rule expression, variables substituted, compiled by promtool as a recording rule."""
-    exprs = expressions.all_expressions("tiny", "engine_stub")
+    exprs = expressions.all_expressions("tiny", "engine_stub", profile=profile)
     rules = {
         "groups": [
             {
@@ -106,12 +115,13 @@ def test_every_shipped_expression_parses(promtool, tmp_path):
 # Rules and their unit tests
 
 
-def _rules():
-    return [r for g in load_yaml(RULES)["groups"] for r in g["rules"]]
+def _rules(profile: str = "vllm"):
+    return [r for g in load_yaml(RULES[profile])["groups"] for r in g["rules"]]
 
 
-def test_recording_rule_names_follow_level_metric_operation():
-    for rule in _rules():
+@pytest.mark.parametrize("profile", PROFILES)
+def test_recording_rule_names_follow_level_metric_operation(profile):
+    for rule in _rules(profile):
         if "record" not in rule:
             continue
         parts = rule["record"].split(":")
@@ -125,25 +135,42 @@ def test_recording_rule_names_follow_level_metric_operation():
         assert level == "_".join(kept), f"{rule['record']}: level {level!r} but aggregates to {kept}"
 
 
-def test_rules_use_the_shipped_thresholds_and_windows():
-    by_name = {r.get("alert") or r.get("record"): r for r in _rules()}
+# The recorded names of each profile, written out: what an operator's queries and alerts refer to.
+SHARES = {
+    "vllm": "model_name_engine:vllm_request_num_preemptions:{}_ratio_rate5m",
+    "semconv": "gen_ai_request_model_llm_engine:llm_server_request_num_preemptions:{}_ratio_rate5m",
+}
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_rules_use_the_shipped_thresholds_and_windows(profile):
+    by_name = {r.get("alert") or r.get("record"): r for r in _rules(profile)}
     thrash = by_name["LLMPreemptionThrashing"]
-    assert thrash["for"] == "10m" and "thrashing_ratio" in thrash["expr"]
-    assert 'le=~"4|4.0"' in by_name["model_name_engine:vllm_request_num_preemptions:thrashing_ratio_rate5m"]["expr"]
-    assert 'le="0.5"' in by_name["model_name_engine:vllm_request_num_preemptions:preempted_ratio_rate5m"]["expr"]
+    assert thrash["for"] == "10m" and thrash["expr"] == SHARES[profile].format("thrashing") + " > 0.05"
+    assert 'le=~"4|4.0"' in by_name[SHARES[profile].format("thrashing")]["expr"]
+    assert 'le="0.5"' in by_name[SHARES[profile].format("preempted")]["expr"]
     spike = by_name["LLMPreemptionRateSpike"]["expr"]
     assert "3 *" in spike and "offset 1h" in spike and "> 0.1" in spike
     quantiles = sorted(
-        r["labels"]["quantile"] for r in _rules() if r.get("record", "").endswith(":histogram_quantile5m")
+        r["labels"]["quantile"] for r in _rules(profile) if r.get("record", "").endswith(":histogram_quantile5m")
     )
     assert quantiles == ["0.5", "0.9", "0.99"]
 
 
-def test_unit_tests_cover_every_rule_firing_and_not_firing():
-    tests = load_yaml(RULES_TEST)["tests"]
+def test_both_profiles_have_the_same_rules_under_their_own_names():
+    vllm, semconv = _rules("vllm"), _rules("semconv")
+    assert [r.get("alert") for r in vllm] == [r.get("alert") for r in semconv]
+    assert [r.get("labels") for r in vllm] == [r.get("labels") for r in semconv]
+    text = RULES["semconv"].read_text() + RULES_TEST["semconv"].read_text()
+    assert not re.findall(r"vllm:\w+|\bmodel_name\b", text), "vllm profile names in the semconv rules"
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_unit_tests_cover_every_rule_firing_and_not_firing(profile):
+    tests = load_yaml(RULES_TEST[profile])["tests"]
     exprs_tested = " ".join(t["expr"] for test in tests for t in test.get("promql_expr_test", []))
     alert_cases = [a for test in tests for a in test.get("alert_rule_test", [])]
-    for rule in _rules():
+    for rule in _rules(profile):
         if "record" in rule:
             assert rule["record"] in exprs_tested, f"recording rule {rule['record']} has no promql_expr_test"
             continue
@@ -161,24 +188,25 @@ def test_unit_tests_cover_every_rule_firing_and_not_firing():
 # Expressions: metric names, the expressions module
 
 
-def test_every_expression_reads_only_known_series():
-    for where, expr in expressions.all_expressions("tiny", "engine_stub"):
-        unknown = expressions.referenced_series(expr) - expressions.SERIES
-        assert not unknown, f"{where}: unknown series {unknown}"
-
-
-def test_all_expressions_lists_every_target_variable_and_rule():
-    dash = json.loads(DASHBOARD.read_text())
+@pytest.mark.parametrize("profile", PROFILES)
+def test_all_expressions_lists_every_target_variable_and_rule(profile):
+    dash = json.loads(DASHBOARD[profile].read_text())
     n_targets = sum(len(p.get("targets", [])) for p in _all_panels(dash))
     n_vars = len(dash["templating"]["list"])
-    n_rules = len(_rules())
-    exprs = expressions.all_expressions("tiny", "engine_stub")
+    n_rules = len(_rules(profile))
+    exprs = expressions.all_expressions("tiny", "engine_stub", profile=profile)
     assert len(exprs) == n_targets + n_vars + n_rules
     assert len({where for where, _ in exprs}) == len(exprs), "where must name each expression uniquely"
+    model, engine = LABELS[profile]
     for where, expr in exprs:
         assert "$" not in expr, f"{where}: unsubstituted variable in {expr}"
         if where.startswith("dashboard panel"):
-            assert 'model_name=~"tiny"' in expr and 'engine=~"engine_stub"' in expr, where
+            assert f'{model}=~"tiny"' in expr and f'{engine}=~"engine_stub"' in expr, where
+
+
+def test_referenced_series_finds_selectors_and_ranges_only():
+    expr = 'sum by (le) (rate(a:b_bucket{le="0.5", m=~"x"}[1m])) / rate(c_total[5m]) > on() lvl:d:rate5m'
+    assert expressions.referenced_series(expr) == {"a:b_bucket", "c_total"}
 
 
 def test_all_expressions_substitutes_intervals_and_escapes_values():
@@ -191,13 +219,17 @@ def test_all_expressions_substitutes_intervals_and_escapes_values():
         expressions.substitute("$nope", "m", "e")
 
 
-def test_variable_queries_become_promql():
-    exprs = dict(expressions.dashboard_expressions())
-    assert exprs["dashboard variable model_name"] == "group by (model_name) (vllm:request_num_preemptions_count)"
-    assert (
-        exprs["dashboard variable engine"]
-        == 'group by (engine) (vllm:request_num_preemptions_count{model_name=~"$model_name"})'
-    )
+# The model and engine labels of each profile, as Prometheus stores them (written out, not derived).
+LABELS = {"vllm": ("model_name", "engine"), "semconv": ("gen_ai_request_model", "llm_engine")}
+COUNT = {"vllm": "vllm:request_num_preemptions_count", "semconv": "llm_server_request_num_preemptions_count"}
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_variable_queries_become_promql(profile):
+    exprs = dict(expressions.dashboard_expressions(profile))
+    (model, engine), count = LABELS[profile], COUNT[profile]
+    assert exprs["dashboard variable model_name"] == f"group by ({model}) ({count})"
+    assert exprs["dashboard variable engine"] == f'group by ({engine}) ({count}{{{model}=~"$model_name"}})'
 
 
 # --------------------------------------------------------------------------------------------------
@@ -303,8 +335,8 @@ def test_prometheus_scrapes_the_collector_and_the_plugin():
     assert jobs["otel-collector"]["honor_labels"] is True
     plugin_targets = [t for sc in jobs["otel-llm"]["static_configs"] for t in sc["targets"]]
     assert [t.rsplit(":", 1)[1] for t in plugin_targets] == ["9464"]  # the plugin's default port
-    assert cfg["rule_files"] == ["rules/otel-llm.rules.yml"]
-    assert (PROMETHEUS_YML.parent / cfg["rule_files"][0]).is_file()
+    assert cfg["rule_files"] == [f"rules/{RULES[p].name}" for p in PROFILES]
+    assert all((PROMETHEUS_YML.parent / path).is_file() for path in cfg["rule_files"])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -353,37 +385,74 @@ def test_dashboard_provider_path_is_where_compose_mounts_the_dashboards():
     assert mounts["/etc/grafana/provisioning"] == "./grafana/provisioning"
 
 
-def test_dashboard_queries_use_the_variables_everywhere():
-    dash = json.loads(DASHBOARD.read_text())
+@pytest.mark.parametrize("profile", PROFILES)
+def test_dashboard_queries_use_the_variables_everywhere(profile):
+    dash = json.loads(DASHBOARD[profile].read_text())
+    model, engine = LABELS[profile]
     names = [v["name"] for v in dash["templating"]["list"]]
     assert names == ["model_name", "engine"]
     for var in dash["templating"]["list"]:
-        assert var["type"] == "query" and var["definition"].startswith("label_values(")
+        assert var["type"] == "query" and var["query"]["query"].startswith("label_values(")
     targets = [(p, t) for p in _all_panels(dash) for t in p.get("targets", [])]
     assert targets
     for panel, target in targets:
         expr = target["expr"]
         assert "$model_name" in expr and "$engine" in expr, f"panel {panel['title']!r}: {expr}"
         # Every selector of a metric carries both matchers (not just one of several).
-        for m in re.finditer(r"((?:vllm:|otel_llm_)[A-Za-z0-9_:]*)(\{[^}]*\})?", expr):
-            matchers = m.group(2) or ""
-            assert 'model_name=~"$model_name"' in matchers and 'engine=~"$engine"' in matchers, (
-                f"panel {panel['title']!r}: selector {m.group(0)} lacks the variables"
-            )
+        for series in expressions.referenced_series(expr):
+            for m in re.finditer(re.escape(series) + r"(\{[^}]*\})?", expr):
+                matchers = m.group(1) or ""
+                assert f'{model}=~"$model_name"' in matchers and f'{engine}=~"$engine"' in matchers, (
+                    f"panel {panel['title']!r}: selector {m.group(0)} lacks the variables"
+                )
 
 
-def test_dashboard_quantile_panels_show_exemplars():
-    dash = json.loads(DASHBOARD.read_text())
-    quantile_targets = [
-        (p, t) for p in _all_panels(dash) for t in p.get("targets", []) if "histogram_quantile" in t["expr"]
+@pytest.mark.parametrize("profile", PROFILES)
+def test_dashboard_histogram_panels_show_exemplars_linked_to_tempo(profile):
+    dash = json.loads(DASHBOARD[profile].read_text())
+    tempo = next(d["uid"] for d in _datasources() if d["type"] == "tempo")
+    histogram_panels = [
+        p
+        for p in _all_panels(dash)
+        if any("histogram_quantile" in t["expr"] or t.get("format") == "heatmap" for t in p.get("targets", []))
     ]
-    assert len(quantile_targets) >= 12
-    for panel, target in quantile_targets:
-        assert target.get("exemplar") is True, f"panel {panel['title']!r} target {target['refId']}"
+    assert len(histogram_panels) == 9
+    for panel in histogram_panels:
+        for target in panel["targets"]:
+            assert target.get("exemplar") is True, f"panel {panel['title']!r} target {target['refId']}"
+        # A trace id (the exemplar's trace_id label) links to the trace in Tempo.
+        (override,) = [
+            o for o in panel["fieldConfig"]["overrides"] if o["matcher"] == {"id": "byName", "options": "trace_id"}
+        ]
+        (links,) = [prop["value"] for prop in override["properties"] if prop["id"] == "links"]
+        assert [(link["internal"]["datasourceUid"], link["internal"]["query"]["query"]) for link in links] == [
+            (tempo, "${__value.raw}")
+        ]
+
+
+def test_both_dashboards_have_the_same_panels():
+    vllm, semconv = (json.loads(DASHBOARD[p].read_text()) for p in PROFILES)
+
+    def shape(dash):
+        return [
+            (
+                p["id"],
+                p["type"],
+                p["title"],
+                p["gridPos"],
+                [(t["refId"], t.get("exemplar")) for t in p.get("targets", [])],
+            )
+            for p in _all_panels(dash)
+        ]
+
+    assert shape(vllm) == shape(semconv)
+    assert vllm["uid"] != semconv["uid"] and vllm["title"] != semconv["title"]
+    assert "vllm:" not in DASHBOARD["semconv"].read_text()
+    assert not re.search(r"\bmodel_name=", DASHBOARD["semconv"].read_text())
 
 
 def test_dashboard_has_the_required_panels():
-    dash = json.loads(DASHBOARD.read_text())
+    dash = json.loads(DASHBOARD["vllm"].read_text())
     panels = _all_panels(dash)
     exprs = " ".join(t["expr"] for p in panels for t in p.get("targets", []))
     heatmaps = [p for p in panels if p["type"] == "heatmap"]
@@ -413,9 +482,10 @@ def test_dashboard_has_the_required_panels():
         assert 0 <= g["x"] and g["x"] + g["w"] <= 24 and g["h"] > 0
 
 
-def test_dashboard_datasource_uids_exist_in_provisioning():
+@pytest.mark.parametrize("profile", PROFILES)
+def test_dashboard_datasource_uids_exist_in_provisioning(profile):
     uids = {d["uid"]: d["type"] for d in _datasources()}
-    dash = json.loads(DASHBOARD.read_text())
+    dash = json.loads(DASHBOARD[profile].read_text())
     refs = []
 
     def collect(node):
@@ -490,4 +560,70 @@ def test_readme_documents_every_rule_and_alert():
     for rule in _rules():
         name = rule.get("record") or rule.get("alert")
         assert f"`{name}" in readme, f"collector/README.md does not mention {name}"
+    for path in (*RULES.values(), *DASHBOARD.values()):
+        assert path.name in readme, f"collector/README.md does not mention {path.name}"
+    assert "make dashboards" in readme
     assert "not run here" in readme.lower() and "--enable-feature=exemplar-storage" in readme
+
+
+# --------------------------------------------------------------------------------------------------
+# The generator
+
+
+def test_shipped_dashboards_and_rules_are_the_generators_output():
+    files = generated_files()
+    assert {path.name for path in files} == {
+        *(path.name for path in DASHBOARD.values()),
+        *(path.name for path in RULES.values()),
+        RULES_TEST["semconv"].name,
+    }
+    stale = [str(path.relative_to(ROOT)) for path, text in files.items() if path.read_text() != text]
+    assert not stale, f"generated files out of date (run `make dashboards`): {stale}"
+
+
+def test_generator_names_the_pin_when_another_sdk_build_is_installed(tmp_path):
+    """A real other build (Grafana 10.1's, what a plain install picks) installed ahead of ours on
+    sys.path: the generator stops and names the pin from pyproject."""
+    other = "1769699998!10.1.0"
+    pip = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        "--no-deps",
+        "--target",
+        str(tmp_path),
+        f"{generator_sdk.SDK}=={other}",
+    ]
+    installed = subprocess.run(pip, capture_output=True, text=True, timeout=300)
+    if installed.returncode != 0:
+        message = f"cannot install {generator_sdk.SDK}=={other}: {installed.stderr[-500:]}"
+        if _require_backends():
+            pytest.fail(message, pytrace=False)
+        pytest.skip(message)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    proc = subprocess.run(
+        [sys.executable, "-m", "collector.generate", "--check"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    pin = generator_sdk.sdk_pin()
+    assert pin == "1769699379!11.6.0"
+    assert proc.returncode == 2, proc.stderr
+    assert f"{generator_sdk.SDK} {other} is installed" in proc.stderr
+    assert f"{generator_sdk.SDK}=={pin}" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_plugin_never_imports_the_dashboard_sdk():
+    """grafana-foundation-sdk is a build-time dependency (the ``dashboards`` extra) of collector/generate only."""
+    users = [
+        str(path.relative_to(ROOT))
+        for top in ("otel_llm", "engine_stub")
+        for path in (ROOT / top).rglob("*.py")
+        if "grafana_foundation_sdk" in path.read_text() or "collector.generate" in path.read_text()
+    ]
+    assert not users, users

@@ -1,9 +1,10 @@
-"""Every PromQL expression that ships in collector/: the Grafana dashboard's and the Prometheus rules'.
+"""Every PromQL expression that ships in collector/: the Grafana dashboards' and the Prometheus rules',
+one dashboard and one rule file per naming profile.
 
 A test can run each of them against a real Prometheus::
 
     from tests.support.promql import all_expressions
-    for where, expr in all_expressions("tiny", "engine_stub", rate_interval="30s"):
+    for where, expr in all_expressions("tiny", "engine_stub", profile="semconv", rate_interval="30s"):
         ...  # GET /api/v1/query?query=expr
 
 Grafana variables are substituted the way Grafana would for one selected value: ``$model_name`` and
@@ -12,7 +13,7 @@ Grafana variables are substituted the way Grafana would for one selected value: 
 ``label_values(selector, label)`` are Grafana functions, not PromQL: they are returned as the
 equivalent ``group by (label) (selector)``.
 
-Needs PyYAML (dev extra).
+Needs PyYAML (dev extra); reads the files, so not grafana-foundation-sdk.
 """
 
 from __future__ import annotations
@@ -26,49 +27,19 @@ from typing import Any
 
 import yaml
 
-COLLECTOR = Path(__file__).resolve().parents[2] / "collector"
-DASHBOARD = COLLECTOR / "grafana" / "dashboards" / "otel-llm.json"
-RULES = COLLECTOR / "rules" / "otel-llm.rules.yml"
+from collector.generate.paths import DASHBOARDS_DIR, RULES_DIR, dashboard_file, rules_file
+from collector.generate.profiles import PROFILES, Profile
 
-# Series names (as Prometheus stores them) that the shipped dashboard and rules may read: the
-# naming profile "vllm". Histograms are listed by base name (_bucket/_sum/_count are implied).
-HISTOGRAMS = frozenset(
-    {
-        "vllm:request_num_preemptions",
-        "vllm:e2e_request_latency_seconds",
-        "vllm:time_to_first_token_seconds",
-        "vllm:inter_token_latency_seconds",
-        "vllm:request_time_per_output_token_seconds",
-        "vllm:request_queue_time_seconds",
-        "vllm:request_prefill_time_seconds",
-        "vllm:request_decode_time_seconds",
-        "vllm:request_inference_time_seconds",
-        "vllm:request_preempted_time_seconds",
-        "vllm:request_prompt_tokens",
-        "vllm:request_generation_tokens",
-        "vllm:request_params_max_tokens",
-        "vllm:iteration_tokens_total",
-    }
-)
-COUNTERS = frozenset(
-    {
-        "vllm:num_preemptions_total",
-        "vllm:num_preemptions_by_reason_total",
-        "vllm:num_recomputed_tokens_total",
-        "vllm:prompt_tokens_total",
-        "vllm:generation_tokens_total",
-        "vllm:request_success_total",
-        "otel_llm_dropped_events_total",
-    }
-)
-GAUGES = frozenset(
-    {
-        "vllm:num_requests_running",
-        "vllm:num_requests_waiting",
-        "vllm:kv_cache_usage_perc",
-    }
-)
-SERIES = frozenset(COUNTERS | GAUGES | {h + suffix for h in HISTOGRAMS for suffix in ("_bucket", "_sum", "_count")})
+
+def dashboard_path(profile: str = "vllm") -> Path:
+    return DASHBOARDS_DIR / dashboard_file(Profile(profile))
+
+
+def rules_path(profile: str = "vllm") -> Path:
+    return RULES_DIR / rules_file(Profile(profile))
+
+
+RULES = tuple(rules_path(p) for p in PROFILES)  # every rule file, for a Prometheus that evaluates them
 
 _REGEX_SPECIALS = set(".+*?^$()[]{}|\\")
 _LABEL_VALUES = re.compile(
@@ -110,9 +81,9 @@ def substitute(
     return re.sub(r"\$\{(\w+)\}|\$(\w+)", repl, expr)
 
 
-def dashboard_expressions() -> list[tuple[str, str]]:
+def dashboard_expressions(profile: str = "vllm") -> list[tuple[str, str]]:
     """(where, raw expr) for every target of every panel, then every variable query."""
-    dash = json.loads(DASHBOARD.read_text())
+    dash = json.loads(dashboard_path(profile).read_text())
     out: list[tuple[str, str]] = []
 
     def walk(panels):
@@ -136,9 +107,9 @@ def dashboard_expressions() -> list[tuple[str, str]]:
     return out
 
 
-def rule_expressions() -> list[tuple[str, str]]:
+def rule_expressions(profile: str = "vllm") -> list[tuple[str, str]]:
     """(where, expr) for every recording and alerting rule."""
-    doc = yaml.safe_load(RULES.read_text())
+    doc = yaml.safe_load(rules_path(profile).read_text())
     out = []
     for group in doc["groups"]:
         for rule in group["rules"]:
@@ -151,23 +122,32 @@ def rule_expressions() -> list[tuple[str, str]]:
 
 
 def all_expressions(
-    model_name: str, engine: str, *, rate_interval: str = "1m", interval: str = "15s", range_: str = "1h"
+    model_name: str,
+    engine: str,
+    *,
+    profile: str = "vllm",
+    rate_interval: str = "1m",
+    interval: str = "15s",
+    range_: str = "1h",
 ) -> list[tuple[str, str]]:
-    """(where, expr) for every PromQL expression of the dashboard and the rules, variables substituted."""
+    """(where, expr) for every PromQL expression of a profile's dashboard and rules, variables substituted."""
     dash = [
         (where, substitute(expr, model_name, engine, rate_interval=rate_interval, interval=interval, range_=range_))
-        for where, expr in dashboard_expressions()
+        for where, expr in dashboard_expressions(profile)
     ]
-    return dash + rule_expressions()
+    return dash + rule_expressions(profile)
 
 
 def referenced_series(expr: str) -> set[str]:
-    """Metric names that ``expr`` selects (``vllm:...`` and ``otel_llm_...`` names only)."""
-    return set(re.findall(r"\b((?:vllm:|otel_llm_)[A-Za-z0-9_:]*)", expr))
+    """The series names that ``expr`` selects: each is followed by a selector's ``{`` or a range's ``[``
+    (every raw series in the shipped expressions is; recorded rule names are not)."""
+    return set(re.findall(r"(?<![\w:])([a-zA-Z_:][\w:]*)(?=\{|\[)", expr))
 
 
-# Rule expressions that answer only once Prometheus holds more history than a test run gives it.
-NEEDS_HISTORY = {"rules otel-llm-preemption.alerts alert LLMPreemptionRateSpike"}
+def needs_history(where: str) -> bool:
+    """Whether a rule expression answers only once Prometheus holds more history than a test run
+    gives it: the spike alert compares the last 5 minutes with the hour that ended an hour ago."""
+    return where.endswith(" alert LLMPreemptionRateSpike")
 
 
 def query(prometheus: Any, expr: str) -> dict:

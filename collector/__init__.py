@@ -1,0 +1,1 @@
+"""collector/: the operator-facing configs; ``collector.generate`` builds its dashboards and rules."""
