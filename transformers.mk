@@ -10,7 +10,7 @@ TRANSFORMERS_OLDEST ?= 5.18.0
 TRANSFORMERS_ARGS ?=
 TRANSFORMERS_DEPS = torch==2.13.0 "pytest>=8" "oteltest>=0.40" psutil
 
-.PHONY: test-transformers test-transformers-newest test-transformers-oldest demo-transformers clean-transformers
+.PHONY: test-transformers test-transformers-newest test-transformers-oldest bench-transformers clean-transformers
 
 # $(1): venv, $(2): transformers version
 define transformers_venv
@@ -38,3 +38,9 @@ test-transformers-oldest: .venv-transformers-oldest/.ready-transformers-$(TRANSF
 
 clean-transformers:
 	rm -rf .venv-transformers .venv-transformers-oldest
+
+# The instrumentor's cost (bench/transformers.py; rotel: the OTLP receiver), into bench/results.json.
+bench-transformers: .venv-transformers/.ready-transformers-$(TRANSFORMERS_NEWEST)
+	.venv-transformers/bin/python -m pip install -q --no-deps -e .
+	.venv-transformers/bin/python -m pip install -q "rotel>=0.0.1a15"
+	.venv-transformers/bin/python -m bench.transformers $(TRANSFORMERS_ARGS)
