@@ -54,7 +54,9 @@ def _workload(model: Any, requests: int) -> tuple[float, int]:
     t0 = time.perf_counter()
     outputs = model.generate_batch(
         inputs=inputs,
-        generation_config=GenerationConfig(max_new_tokens=MAX_NEW_TOKENS, do_sample=False, eos_token_id=-1, pad_token_id=0),
+        generation_config=GenerationConfig(
+            max_new_tokens=MAX_NEW_TOKENS, do_sample=False, eos_token_id=-1, pad_token_id=0
+        ),
         continuous_batching_config=ContinuousBatchingConfig(
             page_size=16, num_blocks=6, max_batch_tokens=128, max_requests_per_batch=16, allow_block_sharing=False
         ),
@@ -101,7 +103,7 @@ def run(reps: int, requests: int, rounds: int) -> dict[str, Any]:
             finally:
                 instrumentor.uninstrument()
     tokens_off, tokens_on = median(rates["off"]), median(rates["on"])
-    settled = rss[1:]  # the first round allocates the providers and the instruments
+    settled = [float(v) for v in rss[1:]]  # the first round allocates the providers and the instruments
     return {
         "requests": requests,
         "max_new_tokens": MAX_NEW_TOKENS,
@@ -114,7 +116,7 @@ def run(reps: int, requests: int, rounds: int) -> dict[str, Any]:
         "all_on": [round(v, 1) for v in rates["on"]],
         "rounds": rounds,
         "rss_mb": [round(v / 2**20, 1) for v in rss],
-        "rss_slope_kb_per_round": round(slope(list(range(len(settled))), settled) / 1024, 1),
+        "rss_slope_kb_per_round": round(slope([float(i) for i in range(len(settled))], settled) / 1024, 1),
     }
 
 

@@ -41,7 +41,7 @@ def test_uninstrument_mid_run_ends_in_flight_spans_marked(model: Any) -> None:
         first = manager.get_result(timeout=60)
         assert first is not None and not first.is_finished()
         found.instrumentor.uninstrument()  # the engine is running
-        finished = {}
+        finished: dict[str, Any] = {}
         while len(finished) < len(ids):
             result = manager.get_result(timeout=60)
             assert result is not None
@@ -125,7 +125,10 @@ def test_a_failure_of_the_telemetry_never_reaches_transformers(
 
     monkeypatch.setattr(observer.BatchObserver, "batch_updated", broken)
     outputs = model.generate_batch(
-        inputs=prompts(6, seed=6), generation_config=generation_config(16), continuous_batching_config=cb_config(), warmup=False
+        inputs=prompts(6, seed=6),
+        generation_config=generation_config(16),
+        continuous_batching_config=cb_config(),
+        warmup=False,
     )
     assert len(outputs) == 6 and all(o.error is None and len(o.generated_tokens) == 16 for o in outputs.values())
     assert caplog.text.count("this engine's telemetry stops") == 1
@@ -133,7 +136,10 @@ def test_a_failure_of_the_telemetry_never_reaches_transformers(
 
 def run_and_count(model: Any, found: Instrumented, expect_spans: bool) -> None:
     outputs = model.generate_batch(
-        inputs=prompts(6, seed=7), generation_config=generation_config(16), continuous_batching_config=cb_config(), warmup=False
+        inputs=prompts(6, seed=7),
+        generation_config=generation_config(16),
+        continuous_batching_config=cb_config(),
+        warmup=False,
     )
     assert len(outputs) == 6 and all(o.error is None for o in outputs.values())
     assert (sorted(found.spans()) == sorted(outputs)) is expect_spans

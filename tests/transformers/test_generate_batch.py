@@ -81,7 +81,9 @@ def test_a_seeded_run_is_reproducible(model: Any, engine_truth: EngineTruth, ins
     first_spans = {rid: s.attributes["llm.request.num_preemptions"] for rid, s in instrumented.spans().items()}
     engine_truth.resets.clear()
     second = run(model, seed=1)
-    assert {rid: o.generated_tokens for rid, o in first.items()} == {rid: o.generated_tokens for rid, o in second.items()}
+    assert {rid: o.generated_tokens for rid, o in first.items()} == {
+        rid: o.generated_tokens for rid, o in second.items()
+    }
     assert engine_truth.preemptions(second) == first_truth == first_spans
     h = instrumented.metrics().histogram("request_num_preemptions")
     assert (h.count, h.sum) == (2 * NUM_REQUESTS, 2 * sum(first_truth.values()))

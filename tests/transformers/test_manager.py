@@ -100,7 +100,9 @@ def test_cancelled_failed_and_hard_stopped_requests_each_get_one_span(model: Any
         if result.is_finished():
             outputs.append(result)
     hard_stopped = {o.request_id for o in outputs if o.request_id.startswith("inflight-")}
-    assert hard_stopped == {f"inflight-{i}" for i in range(8)} and all(o.error for o in outputs if o.request_id in hard_stopped)
+    assert hard_stopped == {f"inflight-{i}" for i in range(8)} and all(
+        o.error for o in outputs if o.request_id in hard_stopped
+    )
 
     spans = instrumented.spans()
     assert sorted(spans) == sorted({"bad", "cancelled", *hard_stopped})

@@ -97,7 +97,13 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
                     return response.status == 200
 
             wait_until(healthy, 180, interval=0.5, what="transformers serve /health")
-            yield {"model": str(tiny_model_dir), "base": base, "metrics": f"http://127.0.0.1:{metrics_port}/metrics", "sink": sink, "log": log}
+            yield {
+                "model": str(tiny_model_dir),
+                "base": base,
+                "metrics": f"http://127.0.0.1:{metrics_port}/metrics",
+                "sink": sink,
+                "log": log,
+            }
         finally:
             process.terminate()
             try:
@@ -148,7 +154,7 @@ def test_serve_spans_parented_by_traceparent_and_metrics(server: dict[str, Any])
     sink = server["sink"]
 
     def request_spans() -> dict[str, Any]:
-        found = {attributes(s).get("gen_ai.request.id"): s for s in sink.spans()}
+        found: dict[str, Any] = {str(attributes(s).get("gen_ai.request.id")): s for s in sink.spans()}
         return found if all(f"http-{i}" in found for i in range(NUM_REQUESTS)) else {}
 
     spans = wait_until(request_spans, 60, interval=0.2, what="every request span over OTLP")
@@ -167,9 +173,13 @@ def test_serve_spans_parented_by_traceparent_and_metrics(server: dict[str, Any])
     def scraped() -> dict[str, float]:
         with urllib.request.urlopen(server["metrics"], timeout=10) as response:
             text = response.read().decode()
-        samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels.get("le")}
+        samples = {
+            s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels.get("le")
+        }
         return samples if samples.get("llm_server_request_num_preemptions_count") == NUM_REQUESTS else {}
 
     samples = wait_until(scraped, 30, interval=0.2, what="every request on /metrics")
-    assert samples["llm_server_request_num_preemptions_sum"] == samples["llm_server_preemptions_total"] == preempted_events
+    assert (
+        samples["llm_server_request_num_preemptions_sum"] == samples["llm_server_preemptions_total"] == preempted_events
+    )
     assert preempted_events > 0  # 6 blocks of 16 tokens: the engine evicted

@@ -26,7 +26,7 @@ import weakref
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Callable, Collection, Optional
 
-from opentelemetry.instrumentation.instrumentor import BaseInstrumentor  # type: ignore[attr-defined]  # no stubs; BaseInstrumentor is its public class
+from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 
 from . import internals
 from .observer import BatchObserver
@@ -290,7 +290,7 @@ class _Instrumentation:
         self.failed(where)
 
 
-class TransformersInstrumentor(BaseInstrumentor):  # type: ignore[misc]  # BaseInstrumentor is untyped
+class TransformersInstrumentor(BaseInstrumentor):
     """Instrument transformers' continuous batching: ``TransformersInstrumentor().instrument()``.
 
     Keyword arguments of ``instrument``: ``config`` (a :class:`otel_llm.TelemetryConfig`; default

@@ -101,11 +101,12 @@ def check(target: Target) -> Callable[..., Any]:
                 target.attribute not in vars(sub),
                 f"{sub.__module__}.{sub.__qualname__} does not override {target.attribute}",
             )
-    return original  # type: ignore[return-value]  # callable() was required just above
+    return original
 
 
 def _subclasses(cls: type) -> list[type]:
-    found, todo = [], list(cls.__subclasses__())
+    found: list[type] = []
+    todo: list[type] = list(cls.__subclasses__())
     while todo:
         sub = todo.pop()
         found.append(sub)
@@ -116,7 +117,7 @@ def _subclasses(cls: type) -> list[type]:
 def check_request_state() -> None:
     """``RequestState`` and ``RequestStatus`` have the fields the observer reads."""
     requests = importlib.import_module(f"{CB}.requests")
-    status = getattr(requests, "RequestStatus", None)
+    status: Any = getattr(requests, "RequestStatus", None)
     require(
         status is not None and all(hasattr(status, n) for n in ("PENDING", "FINISHED", "FAILED")),
         f"{CB}.requests.RequestStatus has PENDING, FINISHED, FAILED",
