@@ -10,7 +10,7 @@ TRANSFORMERS_OLDEST ?= 5.18.0
 TRANSFORMERS_ARGS ?=
 TRANSFORMERS_DEPS = torch==2.13.0 "pytest>=8" "oteltest>=0.40" psutil
 
-.PHONY: test-transformers test-transformers-newest test-transformers-oldest bench-transformers clean-transformers
+.PHONY: test-transformers test-transformers-newest test-transformers-oldest bench-transformers demo-transformers clean-transformers
 
 # $(1): venv, $(2): transformers version
 define transformers_venv
@@ -44,3 +44,8 @@ bench-transformers: .venv-transformers/.ready-transformers-$(TRANSFORMERS_NEWEST
 	.venv-transformers/bin/python -m pip install -q --no-deps -e .
 	.venv-transformers/bin/python -m pip install -q "rotel>=0.0.1a15"
 	.venv-transformers/bin/python -m bench.transformers $(TRANSFORMERS_ARGS)
+
+# `make demo`'s summary on transformers' continuous batching (otel-llm demo --engine transformers).
+demo-transformers: .venv-transformers/.ready-transformers-$(TRANSFORMERS_NEWEST)
+	.venv-transformers/bin/python -m pip install -q --no-deps -e .
+	.venv-transformers/bin/otel-llm demo --engine transformers --prometheus-port 0 $(ARGS)
