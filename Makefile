@@ -9,6 +9,7 @@ ARGS ?=
 .PHONY: demo test bench setup lint clean
 
 include vllm.mk
+include transformers.mk
 
 setup: $(READY)
 
@@ -26,9 +27,10 @@ SERVE_SECONDS ?= 20
 demo: $(READY)
 	$(VENV)/bin/otel-llm demo --serve-seconds $(SERVE_SECONDS) $(ARGS)
 
-# tests/vllm and tests/vllm_engine run in venvs of their own: `make test-vllm` (vllm.mk).
+# tests/vllm, tests/vllm_engine and tests/transformers run in venvs of their own: `make test-vllm`
+# (vllm.mk), `make test-transformers` (transformers.mk).
 test: $(READY)
-	$(PY) -m pytest -q --ignore=tests/vllm --ignore=tests/vllm_engine $(ARGS)
+	$(PY) -m pytest -q --ignore=tests/vllm --ignore=tests/vllm_engine --ignore=tests/transformers $(ARGS)
 
 # The same suite on the oldest OpenTelemetry SDK that pyproject allows (1.28.2, exporter-prometheus
 # 0.49b2: constraints/sdk-oldest.txt), in a venv of its own; torch pinned first as above.
@@ -47,7 +49,7 @@ $(SDK_OLDEST_READY): pyproject.toml $(SDK_OLDEST_PINS)
 	touch $@
 
 test-sdk-oldest: $(SDK_OLDEST_READY)
-	$(SDK_OLDEST_PY) -m pytest -q --ignore=tests/vllm --ignore=tests/vllm_engine $(ARGS)
+	$(SDK_OLDEST_PY) -m pytest -q --ignore=tests/vllm --ignore=tests/vllm_engine --ignore=tests/transformers $(ARGS)
 
 # ruff (lint + format check) and mypy, pinned in the lint extra.
 lint: $(VENV)/.lint-ready

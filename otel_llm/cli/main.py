@@ -15,6 +15,21 @@ DESCRIPTION = (
 )
 
 
+# --requests and --kv-blocks by engine: each sized so that KV-cache pressure causes preemptions.
+DEMO_DEFAULTS = {"engine_stub": {"requests": 500, "kv_blocks": 64}, "transformers": {"requests": 40, "kv_blocks": 6}}
+
+
+def _demo(args: argparse.Namespace) -> int:
+    for name, value in DEMO_DEFAULTS[args.engine].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.engine == "transformers":
+        from otel_llm.cli.demo_transformers import demo_transformers  # needs transformers
+
+        return demo_transformers(args)
+    return demo(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="otel-llm", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -26,10 +41,16 @@ def build_parser() -> argparse.ArgumentParser:
         "preemption histogram and the worst requests' trace ids. OTLP export follows "
         "OTEL_EXPORTER_OTLP_ENDPOINT when set.",
     )
-    d.add_argument("--requests", type=int, default=500, help="number of requests (default 500)")
+    d.add_argument(
+        "--engine",
+        choices=tuple(DEMO_DEFAULTS),
+        default="engine_stub",
+        help="engine_stub (default) or transformers' continuous batching (a tiny Llama; needs transformers)",
+    )
+    d.add_argument("--requests", type=int, help="number of requests (default 500; transformers: 40)")
     d.add_argument("--rate", type=float, default=50.0, help="arrivals per simulated second (default 50)")
     d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--kv-blocks", type=int, default=64, help="KV cache blocks (default 64)")
+    d.add_argument("--kv-blocks", type=int, help="KV cache blocks (default 64; transformers: 6 of 16 tokens)")
     d.add_argument("--block-size", type=int, default=16)
     d.add_argument("--max-num-seqs", type=int, default=32)
     d.add_argument("--max-num-batched-tokens", type=int, default=256)
@@ -39,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--plot", metavar="FILE.png", help="also write the chart as a picture (needs matplotlib)")
     d.add_argument("--top", type=int, default=5, help="worst requests to list (default 5)")
     d.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    d.set_defaults(func=demo)
+    d.set_defaults(func=_demo)
     v = sub.add_parser(
         "demo-vllm",
         help="run vLLM's real CPU engine with the plugin under a seeded load",

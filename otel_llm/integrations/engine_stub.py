@@ -15,6 +15,7 @@ from otel_llm.export.handle import TelemetryHandle
 from otel_llm.export.setup import setup_telemetry
 
 MODEL_NAME = "engine_stub-tiny"  # the model_name label unless OTEL_LLM_MODEL_NAME says otherwise
+PROVIDER_NAME = "engine_stub"  # gen_ai.provider.name unless OTEL_LLM_PROVIDER_NAME says otherwise
 
 
 def register(engine: Any, config: Optional[TelemetryConfig] = None, **setup_kwargs: Any) -> TelemetryHandle:
@@ -28,6 +29,8 @@ def register(engine: Any, config: Optional[TelemetryConfig] = None, **setup_kwar
     """
     if config is None:
         overrides = {} if os.environ.get("OTEL_LLM_MODEL_NAME") else {"model_name": MODEL_NAME}
+        if not os.environ.get("OTEL_LLM_PROVIDER_NAME", "").strip():
+            overrides["provider_name"] = PROVIDER_NAME  # tells engine_stub apart in a fleet of engines
         config = TelemetryConfig.from_env(None, **overrides)
     handle = setup_telemetry(config, **{"port_taken": "warn", **setup_kwargs})
     engine.hooks.subscribe(handle.telemetry)

@@ -22,6 +22,7 @@ _log = logging.getLogger("otel_llm.integrations.vllm")  # one logger for the vLL
 
 DEFAULT_PREEMPTION_REASON = "kv_cache_full"
 SIBLING_SPAN_NAME = "llm_request.scheduling"  # our span's name when vLLM traces requests itself
+PROVIDER_NAME = "vllm"  # gen_ai.provider.name unless OTEL_LLM_PROVIDER_NAME says otherwise
 MAX_ENGINES = 1024  # engine indexes tracked by one logger (elastic EP may add some at run time)
 
 
@@ -42,6 +43,8 @@ class VllmAdapter:
                 overrides["model_name"] = served
             if not os.environ.get("OTEL_LLM_MAX_MODEL_LEN", "").strip() and max_len:
                 overrides["max_model_len"] = max_len  # vLLM's 1-2-5 token buckets stop there
+            if not os.environ.get("OTEL_LLM_PROVIDER_NAME", "").strip():
+                overrides["provider_name"] = PROVIDER_NAME  # tells vLLM apart in a fleet of engines
             own_config = TelemetryConfig.from_env(**overrides)
         # vLLM's series that the core telemetry does not reproduce: built before the providers,
         # which need their Views.

@@ -1,0 +1,215 @@
+"""BatchObserver: what one continuous-batching engine did, as otel-llm events.
+
+One observer per engine (per ``OutputRouter``, which a manager and its batch processor share),
+called by the instrumentor's wrappers on transformers' generation thread:
+
+- ``queued(state)``: ``Scheduler.add_waiting_request`` of a request not seen before: ARRIVED (at
+  the request's own ``created_time``) and QUEUED; the same id again is an evicted request re-queued.
+- ``offloaded(before, scheduler)``: after ``OffloadingManager.offload_requests``: each request that
+  left the active set for the waiting queue was evicted: PREEMPTED, with the tokens whose KV cache
+  was freed (``position_offset``; 0 when the cache went to CPU and comes back).
+- ``batch_prepared(processor)``: after ``prepare_next_batch``: each active request not yet running
+  was SCHEDULED (started, or resumed after an eviction).
+- ``batch_updated(processor)``: after ``update_batch``: FIRST_TOKEN / TOKENS for the new output
+  tokens, FINISHED (``stop`` on an EOS token, else ``length``), then the step's StepStats.
+- ``cancelled(states)`` (``clear_cancelled_requests``): FINISHED ``abort``; ``failed(state)``
+  (``OutputRouter.fail_and_deliver``): FINISHED ``error`` (ARRIVED first for a request the
+  scheduler never saw).
+
+A soft reset folds a request's output into a new prompt (a new ``RequestState``, same id, no
+generated tokens): the tokens generated before are kept in ``_Request.base`` so that the output
+count goes on where it was. Timestamps are ``time.monotonic()``; transformers stamps
+``created_time`` with ``time.perf_counter()``, converted with an offset taken once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from typing import Any, Iterable, Optional
+
+from otel_llm.events import EventType, RequestEvent, StepStats
+
+PREEMPTION_REASON = "kv_cache_full"  # soft reset: KV cache freed, to be recomputed
+CPU_OFFLOAD_REASON = "kv_cache_full_cpu_offload"  # KV cache copied to CPU, restored when rescheduled
+FINISHED_STATUS = 3  # RequestStatus.FINISHED; FAILED (4) above it (internals.check_request_state)
+FAILED_STATUS = 4
+_PERF_TO_MONOTONIC = time.monotonic() - time.perf_counter()
+
+
+class _Request:
+    __slots__ = ("state", "emitted", "base", "running")
+
+    def __init__(self, state: Any) -> None:
+        self.state = state  # transformers' RequestState (a new one after a soft reset)
+        self.emitted = 0  # output tokens published so far
+        self.base = 0  # output tokens generated before the current state (soft resets)
+        self.running = False
+
+
+class BatchObserver:
+    """Translate one engine's state changes into events for an ``EngineTelemetry``."""
+
+    def __init__(self, telemetry: Any, carriers: Any, max_requests: int) -> None:
+        self.telemetry = telemetry
+        self._carriers = carriers  # request id -> W3C carrier, filled by add_request (caller's thread)
+        self._max_requests = max_requests
+        self._requests: OrderedDict[str, _Request] = OrderedDict()  # waiting and running, oldest first
+        self._running: dict[str, _Request] = {}
+        self._events: list[RequestEvent] = []  # published at the end of the current engine call
+        self._batched_tokens: Optional[int] = None
+
+    # -- called inside prepare_next_batch / update_batch ---------------------------------
+
+    def queued(self, state: Any) -> None:
+        rid = state.request_id
+        req = self._requests.get(rid)
+        if req is not None:
+            req.state = state  # an evicted request re-queued (offloaded() publishes the eviction)
+            return
+        if len(self._requests) >= self._max_requests:
+            old_rid, _ = self._requests.popitem(last=False)  # the telemetry's own cap evicts it too
+            self._running.pop(old_rid, None)
+        self._requests[rid] = _Request(state)
+        self._arrived(state, rid)
+
+    def _arrived(self, state: Any, rid: str) -> None:
+        ts = min(state.created_time + _PERF_TO_MONOTONIC, time.monotonic())
+        max_tokens = state.max_new_tokens
+        self._events += (
+            RequestEvent(
+                EventType.ARRIVED,
+                rid,
+                ts,
+                prompt_tokens=len(state.initial_tokens),
+                max_tokens=max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else 0,
+                trace_context=self._carriers.pop(rid, None),
+            ),
+            RequestEvent(EventType.QUEUED, rid, ts),
+        )
+
+    def offloaded(self, before: dict[str, Any], scheduler: Any) -> None:
+        """``before``: the active requests when offload_requests was called."""
+        active, waiting = scheduler.active_requests, scheduler.waiting_requests
+        now = time.monotonic()
+        for rid, old in before.items():
+            if rid in active or rid not in waiting:
+                continue
+            req = self._requests.get(rid)
+            if req is None:
+                continue
+            new = waiting[rid]
+            soft_reset = new is not old
+            if not req.running:  # became active within this same call, then evicted
+                self._events.append(RequestEvent(EventType.SCHEDULED, rid, now))
+            self._events.append(
+                RequestEvent(
+                    EventType.PREEMPTED,
+                    rid,
+                    now,
+                    num_computed_tokens=old.position_offset if soft_reset else 0,
+                    reason=PREEMPTION_REASON if soft_reset else CPU_OFFLOAD_REASON,
+                )
+            )
+            if soft_reset:
+                req.base = req.emitted
+            req.state, req.running = new, False
+            self._running.pop(rid, None)
+
+    def cancelled(self, states: Iterable[Any]) -> None:
+        now = time.monotonic()
+        for state in states:
+            rid = state.request_id
+            req = self._requests.pop(rid, None)
+            if req is not None:
+                self._running.pop(rid, None)
+                self._events.append(RequestEvent(EventType.FINISHED, rid, now, finish_reason="abort"))
+
+    def failed(self, state: Any) -> None:
+        rid = state.request_id
+        if not isinstance(rid, str):
+            return
+        req = self._requests.pop(rid, None)
+        if req is None:
+            self._arrived(state, rid)  # failed before the scheduler saw it (e.g. bad logits-processor kwargs)
+        self._running.pop(rid, None)
+        self._events.append(RequestEvent(EventType.FINISHED, rid, time.monotonic(), finish_reason="error"))
+
+    def batch_prepared(self, processor: Any, has_batch: bool) -> None:
+        scheduler = processor.scheduler
+        now = time.monotonic()
+        for rid in scheduler.active_requests:
+            req = self._requests.get(rid)
+            if req is not None and not req.running:
+                req.running = True
+                req.state = scheduler.active_requests[rid]
+                self._running[rid] = req
+                self._events.append(RequestEvent(EventType.SCHEDULED, rid, now))
+        self._batched_tokens = _batched_tokens(processor) if has_batch else None
+        if not has_batch:  # idle or stopping: the step stats say so, and pending events are applied
+            self.publish(_step(processor, now, None))
+
+    def batch_updated(self, processor: Any) -> None:
+        now = time.monotonic()
+        events = self._events
+        finished = []
+        for rid, req in self._running.items():
+            state = req.state
+            total = req.base + len(state.generated_tokens)
+            if total > req.emitted:
+                if req.emitted == 0:
+                    events.append(RequestEvent(EventType.FIRST_TOKEN, rid, now))
+                events.append(RequestEvent(EventType.TOKENS, rid, now, num_tokens=total - req.emitted))
+                req.emitted = total
+            status = int(state.status)
+            if status >= FINISHED_STATUS:
+                reason = "error" if status >= FAILED_STATUS else _finish_reason(state)
+                events.append(RequestEvent(EventType.FINISHED, rid, now, finish_reason=reason))
+                finished.append(rid)
+        for rid in finished:
+            del self._running[rid]
+            self._requests.pop(rid, None)
+        self.publish(_step(processor, now, self._batched_tokens))
+
+    # -- publishing -----------------------------------------------------------------------
+
+    def publish(self, stats: Optional[StepStats] = None) -> None:
+        if self._events:
+            events, self._events = self._events, []
+            self.telemetry.on_events(events)
+        if stats is not None:
+            self.telemetry.on_step(stats)
+
+    def in_flight(self) -> int:
+        return len(self._requests)
+
+
+def _finish_reason(state: Any) -> str:
+    eos = state.eos_token_id
+    ids = {eos} if isinstance(eos, int) else set(eos or ())
+    tokens = state.generated_tokens
+    return "stop" if tokens and tokens[-1] in ids and tokens[-1] >= 0 else "length"
+
+
+def _batched_tokens(processor: Any) -> Optional[int]:
+    """Tokens in the batch just prepared: the scheduled requests' query lengths."""
+    io = processor.inputs_and_outputs
+    pairs = getattr(io, "io_pairs", None)  # asynchronous batching: the current pair's host side
+    if pairs is not None:
+        io = pairs[io.current_pair].host_io
+    batch = getattr(io, "requests_in_batch", None)
+    if batch is None:
+        return None
+    return sum(future.query_length for future in batch)
+
+
+def _step(processor: Any, now: float, batched_tokens: Optional[int]) -> StepStats:
+    scheduler = processor.scheduler
+    free = processor.cache.compute_free_capacity()
+    return StepStats(
+        now,
+        num_running=len(scheduler.active_requests),
+        num_waiting=len(scheduler.waiting_requests),
+        kv_cache_usage=min(1.0, max(0.0, 1.0 - float(free))),
+        num_batched_tokens=batched_tokens,
+    )
