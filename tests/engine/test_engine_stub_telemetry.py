@@ -115,6 +115,7 @@ def test_engine_loads_the_plugin_from_installed_metadata(monkeypatch: pytest.Mon
         assert engine.plugins == ["otel"]
         assert isinstance(handle.telemetry, EngineTelemetry)
         assert handle.config.model_name == "engine_stub-tiny"
+        assert handle.config.provider_name == "engine_stub"  # the engine kind, apart from vLLM's and transformers'
         engine.hooks.unsubscribe(handle.telemetry)
         assert not engine.hooks.active  # the plugin's telemetry was the one subscriber
     finally:

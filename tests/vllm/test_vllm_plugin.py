@@ -96,6 +96,7 @@ def test_builds_its_own_providers_from_the_environment(vllm_config, monkeypatch)
         assert handle.config.model_name == vllm_config.model_config.served_model_name
         assert handle.config.max_model_len == vllm_config.model_config.max_model_len
         assert handle.config.preemption_buckets == (0.5, 1, 2, 4, 8)
+        assert handle.config.provider_name == "vllm"  # the engine kind, apart from engine_stub's and transformers'
         assert logger.telemetry[0] is handle.telemetry  # setup_telemetry's own engine "0"
         monkeypatch.setenv("OTEL_LLM_MODEL_NAME", "my-model")
         plugin.reset()
