@@ -9,6 +9,7 @@ ARGS ?=
 .PHONY: demo test bench setup lint clean
 
 include vllm.mk
+include phoenix.mk
 
 setup: $(READY)
 
