@@ -97,8 +97,13 @@ def drill_down(
             break
         time.sleep(0.2)
 
-    cumulative = sorted((float(r["metric"]["le"]), r["metric"]["le"], float(r["value"][1])) for r in prom.query(f"sum by (le) ({histogram}_bucket)"))
-    per_bucket = [(le, count - below) for (_, le, count), below in zip(cumulative, [0.0] + [c for _, _, c in cumulative])]
+    cumulative = sorted(
+        (float(r["metric"]["le"]), r["metric"]["le"], float(r["value"][1]))
+        for r in prom.query(f"sum by (le) ({histogram}_bucket)")
+    )
+    per_bucket = [
+        (le, count - below) for (_, le, count), below in zip(cumulative, [0.0] + [c for _, _, c in cumulative])
+    ]
     non_empty = [(le, n) for le, n in per_bucket if n > 0]
 
     def selector(le: str) -> str:

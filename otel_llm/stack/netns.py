@@ -56,7 +56,8 @@ def start_isolated(
     command: Sequence[str], inner_port: int, env: Mapping[str, str], log: IO[bytes], cwd: Optional[Path] = None
 ) -> Isolated:
     """Start ``command`` in a new network namespace; its ``inner_port`` is bridged to the returned port."""
-    if not _unshare_works():
+    unshare = _unshare()
+    if unshare is None:
         raise IsolationUnavailable(
             "cannot make a network namespace (`unshare --net` is missing or not permitted: it needs root,"
             " or unprivileged user namespaces)"
@@ -64,9 +65,9 @@ def start_isolated(
     listener = socket.create_server((LOOPBACK, 0), backlog=64)
     try:
         fd = listener.fileno()
-        args = ["unshare", "--net", *_USER_NS, "--", sys.executable, "-m", "otel_llm.stack.netns", str(fd), str(inner_port)]
+        relay = [sys.executable, "-m", "otel_llm.stack.netns", str(fd), str(inner_port)]
         proc = subprocess.Popen(
-            [*args, "--", *command],
+            [*unshare, *relay, "--", *command],
             pass_fds=(fd,),
             stdin=subprocess.PIPE,
             stdout=log,
@@ -79,21 +80,16 @@ def start_isolated(
         listener.close()  # the child holds its own copy
 
 
-_USER_NS: tuple[str, ...] = ()  # set by _unshare_works: ("--map-root-user",) where only that is allowed
-
-
-def _unshare_works() -> bool:
-    """Whether ``unshare --net`` runs here, as root or else inside a user namespace of its own."""
-    global _USER_NS
-    for extra in ((), ("--map-root-user",)):
+def _unshare() -> Optional[list[str]]:
+    """The ``unshare`` command that makes a network namespace here: as root, else inside a user
+    namespace of its own (``--map-root-user``); None where neither is allowed."""
+    for command in (["unshare", "--net", "--"], ["unshare", "--net", "--map-root-user", "--"]):
         try:
-            run = subprocess.run(["unshare", "--net", *extra, "--", "true"], capture_output=True, timeout=10)
+            if subprocess.run([*command, "true"], capture_output=True, timeout=10).returncode == 0:
+                return command
         except (OSError, subprocess.TimeoutExpired):
-            return False
-        if run.returncode == 0:
-            _USER_NS = extra
-            return True
-    return False
+            return None
+    return None
 
 
 # ------------------------------------------------------------------------ inside the namespace
@@ -128,8 +124,12 @@ async def _relay(listener: socket.socket, inner_port: int, server: subprocess.Po
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
-    # The parent's end of our stdin closes when it exits, however it exits.
-    loop.add_reader(sys.stdin.fileno(), lambda: os.read(sys.stdin.fileno(), 4096) or stop.set())
+
+    def parent_gone() -> None:  # the parent's end of our stdin closes when it exits, however it exits
+        if not os.read(sys.stdin.fileno(), 4096):
+            stop.set()
+
+    loop.add_reader(sys.stdin.fileno(), parent_gone)
     relay = await asyncio.start_server(connection, sock=listener)
     while server.poll() is None and not stop.is_set():
         try:

@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import shutil
+import subprocess
 import tempfile
 import time
 import urllib.error
@@ -54,7 +55,8 @@ def executable(explicit: Optional[str] = None) -> Optional[str]:
 class Phoenix:
     """A running Phoenix: ``url`` (UI and REST API), ``otlp_endpoint`` (OTLP/HTTP base endpoint)."""
 
-    def __init__(self, port: int, log_path: Path) -> None:
+    def __init__(self, port: int, log_path: Path, relay: subprocess.Popen) -> None:
+        self.relay = relay  # the process in the namespace that runs Phoenix and bridges its port
         self.url = f"http://127.0.0.1:{port}"
         self.otlp_endpoint = self.url  # the exporter appends /v1/traces
         self.log_path = log_path
@@ -129,8 +131,8 @@ def start_phoenix(explicit: Optional[str] = None, ready_timeout_s: float = READY
                 isolated = start_isolated([binary, "serve"], HTTP_PORT, env, log, cwd=workdir)
             except IsolationUnavailable as exc:
                 raise PhoenixUnavailable(f"Phoenix needs a network namespace of its own: {exc}") from None
-        phoenix = Phoenix(isolated.port, log_path)
-        _wait_ready(phoenix, isolated.proc, ready_timeout_s)
+        phoenix = Phoenix(isolated.port, log_path, isolated.proc)
+        _wait_ready(phoenix, ready_timeout_s)
         yield phoenix
     finally:
         if isolated is not None:
@@ -138,11 +140,13 @@ def start_phoenix(explicit: Optional[str] = None, ready_timeout_s: float = READY
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _wait_ready(phoenix: Phoenix, proc: Any, timeout_s: float) -> None:
+def _wait_ready(phoenix: Phoenix, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
-        if proc.poll() is not None:
-            raise PhoenixUnavailable(f"Phoenix exited with {proc.returncode} before it was ready: {phoenix.log()}")
+        if phoenix.relay.poll() is not None:
+            raise PhoenixUnavailable(
+                f"Phoenix exited with {phoenix.relay.returncode} before it was ready: {phoenix.log()}"
+            )
         try:
             with urllib.request.urlopen(phoenix.url + "/healthz", timeout=2) as resp:
                 if resp.status == 200:
@@ -150,5 +154,7 @@ def _wait_ready(phoenix: Phoenix, proc: Any, timeout_s: float) -> None:
         except (urllib.error.URLError, OSError):
             pass  # not listening yet
         if time.monotonic() >= deadline:
-            raise PhoenixUnavailable(f"Phoenix not ready at {phoenix.url}/healthz after {timeout_s:g} s: {phoenix.log()}")
+            raise PhoenixUnavailable(
+                f"Phoenix not ready at {phoenix.url}/healthz after {timeout_s:g} s: {phoenix.log()}"
+            )
         time.sleep(0.25)

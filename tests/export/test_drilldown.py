@@ -12,9 +12,12 @@ input: Phoenix not installed, exiting, not ready in time; a trace id that is not
 from __future__ import annotations
 
 import math
+import os
 import secrets
 import time
+import urllib.request
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -132,6 +135,16 @@ def test_worst_bucket_exemplar_leads_to_the_request_span_in_phoenix(phoenix, pro
         )
     finally:
         handle.shutdown()
+
+
+def test_phoenix_runs_in_a_network_namespace_whose_only_interface_is_loopback(phoenix) -> None:
+    relay = phoenix.relay.pid
+    [server] = Path(f"/proc/{relay}/task/{relay}/children").read_text().split()
+    assert os.readlink(f"/proc/{server}/ns/net") != os.readlink("/proc/self/ns/net")
+    interfaces = [line.split(":")[0].strip() for line in Path(f"/proc/{server}/net/dev").read_text().splitlines()[2:]]
+    assert interfaces == ["lo"]
+    with urllib.request.urlopen(phoenix.url + "/healthz", timeout=5) as resp:  # its HTTP port, bridged
+        assert resp.read() == b"OK"
 
 
 def test_a_trace_not_in_the_store_fails_naming_its_trace_id(phoenix) -> None:
