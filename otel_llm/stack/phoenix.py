@@ -66,10 +66,15 @@ class Phoenix:
         with urllib.request.urlopen(url, timeout=timeout_s) as resp:
             return json.loads(resp.read())
 
-    def spans(self, trace_id: str, project: str = "default", page_size: int = 100) -> list[dict[str, Any]]:
-        """Every span of the trace ``trace_id`` (32 hex digits) in ``project``, following next_cursor."""
+    def spans(
+        self, trace_id: Optional[str] = None, name: Optional[str] = None, project: str = "default", page_size: int = 100
+    ) -> list[dict[str, Any]]:
+        """The spans in ``project``, of the trace ``trace_id`` (32 hex digits) and named ``name``
+        where given, page after page (each page's ``next_cursor`` asks for the next)."""
         spans: list[dict[str, Any]] = []
-        params = [("trace_id", trace_id), ("limit", str(page_size))]
+        params = [("limit", str(page_size))]
+        params += [("trace_id", trace_id)] if trace_id else []
+        params += [("name", name)] if name else []
         cursor: Optional[str] = None
         while True:
             body = self.get(f"/v1/projects/{project}/spans", params + ([("cursor", cursor)] if cursor else []))

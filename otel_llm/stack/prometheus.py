@@ -21,7 +21,7 @@ from typing import Any, Iterator, Optional
 
 LOOPBACK = "127.0.0.1"
 READY_TIMEOUT_S = 30.0
-MISSING = "install it: apt-get install prometheus"
+MISSING = "apt-get install prometheus"
 
 
 class PrometheusUnavailable(RuntimeError):
