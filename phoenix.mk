@@ -14,3 +14,8 @@ $(PHOENIX_READY):
 	test -x $(PHOENIX_VENV)/bin/python || $(PYTHON) -m venv $(PHOENIX_VENV)
 	$(PHOENIX_VENV)/bin/python -m pip install -q --only-binary=:all: arize-phoenix==$(PHOENIX_VERSION)
 	touch $@
+
+# `make demo` against a local Prometheus and Phoenix: the drill-down from a bucket to its traces.
+.PHONY: demo-stack
+demo-stack: $(READY) $(PHOENIX_READY)
+	$(VENV)/bin/otel-llm demo --stack --serve-seconds $(SERVE_SECONDS) $(ARGS)
