@@ -57,8 +57,8 @@ class Prometheus:
         return list(self.get("/api/v1/query_exemplars", {"query": expr, "start": str(start), "end": str(end)}))
 
     def graph_url(self, expr: str) -> str:
-        """The query in Prometheus's own UI."""
-        return f"{self.url}/graph?{urllib.parse.urlencode({'g0.expr': expr, 'g0.tab': '0'})}"
+        """The query in Prometheus's own UI, graphed over the last 5 minutes."""
+        return f"{self.url}/graph?{urllib.parse.urlencode({'g0.expr': expr, 'g0.tab': '0', 'g0.range_input': '5m'})}"
 
     def log(self, n: int = 2000) -> str:
         try:
