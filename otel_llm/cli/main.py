@@ -38,6 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--plot", metavar="FILE.png", help="also write the chart as a picture (needs matplotlib)")
     d.add_argument("--top", type=int, default=5, help="worst requests to list (default 5)")
     d.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    d.add_argument(
+        "--stack",
+        action="store_true",
+        help="start a local Prometheus and Phoenix, send to them, and print the worst requests' bucket "
+        "queries and trace URLs (`make demo-stack`)",
+    )
     d.set_defaults(func=demo)
     v = sub.add_parser(
         "demo-vllm",

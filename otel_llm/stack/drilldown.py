@@ -156,7 +156,8 @@ def print_drilldown(report: Drilldown, total: int) -> None:
     if report.worst_bucket is None:
         print("  no request in the histogram")
         return
-    print(f"  worst bucket   {report.worst_bucket}: {report.worst_bucket_requests} requests")
+    n = report.worst_bucket_requests
+    print(f"  worst bucket   {report.worst_bucket}: {n} request{'' if n == 1 else 's'}")
     print(f"  in Prometheus  {report.worst_bucket_graph}")
     for url in report.worst_bucket_exemplars:
         print(f"  exemplar       {url}")

@@ -27,7 +27,7 @@ from tests.support.backends import prometheus_binary, require_backend
 from tests.support.sdk_versions import needs_prometheus_exporter
 
 HEADER = re.compile(r"drill-down: Prometheus (http://\S+) \(exemplar storage on\), Phoenix (http://\S+)$")
-WORST_BUCKET = re.compile(r"\s+worst bucket\s+(\S+_bucket\{le=\"([^\"]+)\"\}): (\d+) requests$")
+WORST_BUCKET = re.compile(r"\s+worst bucket\s+(\S+_bucket\{le=\"([^\"]+)\"\}): (\d+) requests?$")
 WORST = re.compile(
     r"\s+(req-\d+)\s+(\d+) preemptions\s+(\S+\{le=\"([^\"]+)\"\})\s+(http://\S+/redirects/traces/([0-9a-f]{32}))(.*)$"
 )

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from otel_llm.integrations.vllm_server import Load, VllmServer, run_load, scrape, traceparent
+from otel_llm.testing.vllm.server import Load, VllmServer, run_load, scrape, traceparent
 from tests.support.backends import backend, start_prometheus, wait_until
 from tests.support.phoenix import phoenix_backend
 
