@@ -71,7 +71,7 @@ class Drilldown:
     requests_scraped: int
     worst_bucket: Optional[str]  # PromQL of the highest non-empty bucket
     worst_bucket_requests: int
-    worst_bucket_graph: str  # that query in Prometheus's UI (exemplars shown on the graph)
+    worst_bucket_graph: str  # that query on Prometheus's graph page
     worst_bucket_exemplars: list[str]  # trace URLs in Phoenix
     worst: list[Worst]
 
