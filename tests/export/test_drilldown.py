@@ -24,7 +24,7 @@ import pytest
 
 from otel_llm.events import EventType
 from otel_llm.stack.phoenix import MISSING, PhoenixUnavailable, TraceNotFound, executable, start_phoenix
-from tests.support.backends import backend, free_port, require_backend, start_prometheus
+from tests.support.backends import backend, free_port, require_backend, start_prometheus, wait_until
 from tests.support.phoenix import phoenix_backend
 from tests.support.sdk_versions import needs_prometheus_exporter
 from tests.support.workloads import NUM_REQUESTS, add_requests, preempting_engine_config
@@ -133,6 +133,16 @@ def test_worst_bucket_exemplar_leads_to_the_request_span_in_phoenix(phoenix, pro
         assert [(e["attributes"]["num_computed_tokens"], e["attributes"]["reason"]) for e in events] == (
             truth.by_request[request_id]
         )
+
+        # Every request span, read back in pages of 7 (following next_cursor), holds its request's count.
+        spans = wait_until(
+            lambda: len(found := phoenix.spans(name="llm_request", page_size=7)) >= NUM_REQUESTS and found,
+            30,
+            interval=0.2,
+            what=f"{NUM_REQUESTS} llm_request spans in Phoenix",
+        )
+        stored = {s["attributes"]["gen_ai.request.id"]: s["attributes"]["llm.request.num_preemptions"] for s in spans}
+        assert len(spans) == NUM_REQUESTS and stored == counts
     finally:
         handle.shutdown()
 
