@@ -15,7 +15,6 @@ reachable from outside.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import os
 import signal
 import socket
@@ -24,6 +23,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Mapping, Optional, Sequence
+
+from otel_llm.stack.lifetime import die_with_parent
 
 LOOPBACK = "127.0.0.1"
 
@@ -139,19 +140,13 @@ async def _relay(listener: socket.socket, inner_port: int, server: subprocess.Po
     relay.close()
 
 
-def _die_with_parent() -> None:
-    """In the server's process before exec: SIGKILL when the relay dies, so no server is left behind."""
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
 def main(argv: Sequence[str]) -> int:
     fd, inner_port, separator, *command = argv
     if separator != "--" or not command:
         raise SystemExit("usage: python -m otel_llm.stack.netns FD PORT -- COMMAND...")
     listener = socket.socket(fileno=int(fd))
     _loopback_up()
-    server = subprocess.Popen(command, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+    server = subprocess.Popen(command, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
     try:
         asyncio.run(_relay(listener, int(inner_port), server))
     finally:

@@ -19,6 +19,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+from otel_llm.stack.lifetime import die_with_parent
+
 LOOPBACK = "127.0.0.1"
 READY_TIMEOUT_S = 30.0
 MISSING = "apt-get install prometheus"
@@ -99,6 +101,7 @@ def start_prometheus(
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 cwd=workdir,
+                preexec_fn=die_with_parent,
             )
         prometheus = Prometheus(f"http://{listen}", proc, log_path)
         _wait_ready(prometheus, ready_timeout_s)

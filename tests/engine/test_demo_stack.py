@@ -92,9 +92,13 @@ def test_demo_stack_prints_the_worst_requests_with_their_bucket_query_and_trace_
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0, stderr.read_text()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        if proc.poll() is None:  # a failure above: SIGINT lets the demo stop its stack
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
     for url in (prometheus + "/-/ready", phoenix + "/healthz"):  # the stack stopped with the demo
         with pytest.raises((urllib.error.URLError, ConnectionError)):
             urllib.request.urlopen(url, timeout=5)
