@@ -10,6 +10,7 @@ ARGS ?=
 
 include vllm.mk
 include transformers.mk
+include phoenix.mk
 
 setup: $(READY)
 

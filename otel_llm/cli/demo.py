@@ -6,7 +6,8 @@ import argparse
 import os
 import sys
 import threading
-from typing import Any
+import time
+from typing import Any, Optional
 
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
@@ -22,6 +23,7 @@ from otel_llm.cli.render import (
     write_plot,
 )
 from otel_llm.config.settings import TelemetryConfig
+from otel_llm.stack.drilldown import Stack, drill_down, print_drilldown, telemetry_settings
 
 TORCH_MISSING = "pip install 'otel-llm[engine]' (torch==2.13.0 first for the CPU build), or run `make demo`"
 
@@ -66,7 +68,13 @@ def _otlp_configured() -> bool:
     )
 
 
-def demo(args: argparse.Namespace) -> int:
+def demo(args: argparse.Namespace, stack: Optional[Stack] = None) -> int:
+    """The demo; with ``stack`` (``--stack``), its telemetry goes to that Prometheus and Phoenix,
+    and the drill-down from them follows the summary."""
+    if args.stack and stack is None:
+        from otel_llm.cli.demo_stack import demo_on_stack
+
+        return demo_on_stack(args)
     # engine_stub needs torch; imported here so that the rest of the CLI does not.
     try:
         from engine_stub import Engine, EngineConfig
@@ -90,13 +98,17 @@ def demo(args: argparse.Namespace) -> int:
             return 2
 
     otlp = ("otlp",) if _otlp_configured() else ()
-    config = TelemetryConfig.from_env(
-        model_name=os.environ.get("OTEL_LLM_MODEL_NAME") or MODEL_NAME,
-        metrics_exporters=("prometheus", *otlp),
-        traces_exporters=otlp or ("none",),
-        prometheus_host=args.prometheus_host,
-        prometheus_port=args.prometheus_port,
+    exporters = (
+        telemetry_settings(stack)
+        if stack is not None
+        else {
+            "metrics_exporters": ("prometheus", *otlp),
+            "traces_exporters": otlp or ("none",),
+            "prometheus_host": args.prometheus_host,
+            "prometheus_port": args.prometheus_port,
+        }
     )
+    config = TelemetryConfig.from_env(model_name=os.environ.get("OTEL_LLM_MODEL_NAME") or MODEL_NAME, **exporters)
     engine_config = EngineConfig(
         num_kv_blocks=args.kv_blocks,
         block_size=args.block_size,
@@ -122,13 +134,20 @@ def demo(args: argparse.Namespace) -> int:
         spec = WorkloadSpec(num_requests=args.requests, rate=args.rate, seed=args.seed)
         requests = generate(spec, engine_config.num_kv_blocks * engine_config.block_size)
         progress = None if args.no_progress else Progress(len(requests))
+        started = time.time()
         result = run_workload(engine, requests, on_step=progress)
         if progress is not None:
             progress.close()
         handle.force_flush()
         print_summary(args, config, engine, result, reader, traces)
+        if stack is not None:
+            histogram_name = BY_KEY["request_num_preemptions"].name(config.naming)
+            print_drilldown(drill_down(stack, histogram_name, traces.by_request, args.top, started), len(requests))
+            print(flush=True)
         if args.serve_seconds > 0:
             url = f"http://{args.prometheus_host}:{handle.prometheus_port}/metrics"
+            if stack is not None:
+                print(f"Prometheus {stack.prometheus.url} and Phoenix {stack.phoenix.url} stay up as long")
             print(f"serving {url} for {args.serve_seconds:g} s (Ctrl-C to stop)", flush=True)
             try:
                 threading.Event().wait(args.serve_seconds)

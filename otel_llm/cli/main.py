@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Optional, Sequence
 
 from otel_llm.cli.demo import demo
@@ -24,6 +25,9 @@ def _demo(args: argparse.Namespace) -> int:
         if getattr(args, name) is None:
             setattr(args, name, value)
     if args.engine == "transformers":
+        if args.stack:
+            print("otel-llm demo: --stack runs engine_stub only (not --engine transformers)", file=sys.stderr)
+            return 2
         from otel_llm.cli.demo_transformers import demo_transformers  # needs transformers
 
         return demo_transformers(args)
@@ -60,6 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--plot", metavar="FILE.png", help="also write the chart as a picture (needs matplotlib)")
     d.add_argument("--top", type=int, default=5, help="worst requests to list (default 5)")
     d.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    d.add_argument(
+        "--stack",
+        action="store_true",
+        help="start a local Prometheus and Phoenix, send to them, and print the worst requests' bucket "
+        "queries and trace URLs (`make demo-stack`)",
+    )
     d.set_defaults(func=_demo)
     v = sub.add_parser(
         "demo-vllm",
