@@ -28,21 +28,12 @@ MAX_NEW_TOKENS = 48
 
 def _model(path: Path) -> Any:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
+
+    from otel_llm.testing.models import make_tiny_llama
 
     torch.set_num_threads(1)  # two shared cores: torch's threads would contend with the engine's
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        vocab_size=512,
-        max_position_embeddings=512,
-    )
-    LlamaForCausalLM(config).save_pretrained(path)
-    return LlamaForCausalLM.from_pretrained(path, attn_implementation="sdpa", dtype=torch.float32)
+    return LlamaForCausalLM.from_pretrained(make_tiny_llama(path), attn_implementation="sdpa", dtype=torch.float32)
 
 
 def _workload(model: Any, requests: int) -> tuple[float, int]:

@@ -116,8 +116,9 @@ def run_round(server: Any, load: Any) -> dict[str, Any]:
 
 
 def run(pairs: int = 5, requests: int = 64, max_tokens: int = 96, log: Any = sys.stderr) -> dict[str, Any]:
+    from otel_llm.testing.models import make_tiny_llama
     from otel_llm.testing.span_receiver import SpanReceiver
-    from otel_llm.testing.vllm.server import SERVER_ARGS, Load, VllmServer, make_tiny_llama
+    from otel_llm.testing.vllm.server import SERVER_ARGS, Load, VllmServer
 
     without = plugins_without_ours()
     rounds: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}

@@ -92,7 +92,7 @@ def run(reps: int = 15, requests: int = 64, tokens: int = 96, log: Any = sys.std
 
     from otel_llm.integrations import vllm as plugin
     from otel_llm.integrations.vllm import OtelStatLogger
-    from otel_llm.testing.vllm.server import make_tiny_llama
+    from otel_llm.testing.models import make_tiny_llama
     from otel_llm.testing.vllm.stream import Spec, build
     from otel_llm.testing.vllm.stream import run as run_stream
 

@@ -123,13 +123,13 @@ def demo_vllm(args: argparse.Namespace) -> int:
     from importlib.metadata import PackageNotFoundError, version
     from pathlib import Path
 
+    from otel_llm.testing.models import make_tiny_llama
     from otel_llm.testing.span_receiver import SpanReceiver
     from otel_llm.testing.vllm.server import (
         KV_PRESSURE_ARGS,
         Load,
         ServerFailed,
         VllmServer,
-        make_tiny_llama,
         traceparent,
     )
 

@@ -84,6 +84,33 @@ def _fleet_env(rotel: Any, **settings: str) -> dict[str, str]:
     return env
 
 
+def _run_engines(env: dict[str, str], seeds: range) -> list[tuple[str, str]]:
+    """(stdout, stderr) of one ``python -m engine_stub`` per seed, run side by side to the end."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "engine_stub", "--requests", str(REQUESTS), "--seed", str(i), "--kv-blocks", "24"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in seeds
+    ]
+    outputs = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-2000:]
+        outputs.append((out, err))
+    return outputs
+
+
+def _totals(sink: Any, delta: bool) -> list[tuple[int, int]]:
+    """Each process's (requests, preemptions) at the receiver, sorted."""
+    success = _per_process(sink, "vllm:request_success", delta)
+    preemptions = _per_process(sink, "vllm:num_preemptions", delta)
+    return sorted((int(sum(success[i].values())), int(sum(preemptions.get(i, {}).values()))) for i in success)
+
+
 @pytest.mark.parametrize("temporality", ["cumulative", "delta"])
 def test_a_fleet_of_engine_processes_adds_up_exactly_at_the_collector(clean_env, temporality):
     delta = temporality == "delta"
@@ -96,48 +123,19 @@ def test_a_fleet_of_engine_processes_adds_up_exactly_at_the_collector(clean_env,
             # 10 s would be sent again (the exporters retry a timed-out export), counted twice.
             OTEL_EXPORTER_OTLP_TIMEOUT="60",
         )
-        procs = [
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "engine_stub",
-                    "--requests",
-                    str(REQUESTS),
-                    "--seed",
-                    str(i),
-                    "--kv-blocks",
-                    "24",
-                ],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            for i in range(PROCESSES)
-        ]
-        truths = []
-        for proc in procs:
-            out, err = proc.communicate(timeout=600)
-            assert proc.returncode == 0, err[-2000:]
-            truths.append(_ground_truth(out))
+        truths = [_ground_truth(out) for out, _ in _run_engines(env, range(PROCESSES))]
         total_requests = sum(r for r, _ in truths)
         total_preemptions = sum(p for _, p in truths)
         assert total_requests == PROCESSES * REQUESTS and total_preemptions > 0
         # Every process has exited (its shutdown flushed); rotel forwards within its 50 ms batches.
         wait_until(lambda: len(sink.spans()) >= total_requests, 60, interval=0.1, what="every request span")
 
-        def totals() -> list[tuple[int, int]]:
-            success = _per_process(sink, "vllm:request_success", delta)
-            preemptions = _per_process(sink, "vllm:num_preemptions", delta)
-            return sorted((int(sum(success[i].values())), int(sum(preemptions.get(i, {}).values()))) for i in success)
-
         # Each process flushed at exit; its last exports cross rotel within its 50 ms batches.
         # Kept apart: each process's own totals are one of the ground truths.
         try:
-            wait_until(lambda: totals() == sorted(truths), 60, interval=0.1, what="every process's totals")
+            wait_until(lambda: _totals(sink, delta) == sorted(truths), 60, interval=0.1, what="every process's totals")
         except TimeoutError:
-            assert totals() == sorted(truths)
+            assert _totals(sink, delta) == sorted(truths)
 
         spans = sink.spans()
         assert len(spans) == total_requests
@@ -177,44 +175,16 @@ def test_engine_processes_sharing_a_taken_prometheus_port_still_push_everything(
             OTEL_EXPORTER_PROMETHEUS_PORT=str(port),
             OTEL_METRIC_EXPORT_INTERVAL="500",
         )
-        procs = [
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "engine_stub",
-                    "--requests",
-                    str(REQUESTS),
-                    "--seed",
-                    str(i),
-                    "--kv-blocks",
-                    "24",
-                ],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            for i in range(2)
-        ]
         truths = []
-        for proc in procs:
-            out, err = proc.communicate(timeout=600)
-            assert proc.returncode == 0, err[-2000:]
+        for out, err in _run_engines(env, range(2)):
             said = [line for line in err.splitlines() if "no /metrics endpoint in this process" in line]
             assert len(said) == 1 and f"127.0.0.1:{port}" in said[0] and "OTEL_LLM_PROMETHEUS_PORTS" in said[0], err
             truths.append(_ground_truth(out))
         wait_until(lambda: len(sink.spans()) >= 2 * REQUESTS, 60, interval=0.1, what="every request span")
-
-        def totals() -> list[tuple[int, int]]:
-            success = _per_process(sink, "vllm:request_success", False)
-            preemptions = _per_process(sink, "vllm:num_preemptions", False)
-            return sorted((int(sum(success[i].values())), int(sum(preemptions.get(i, {}).values()))) for i in success)
-
         try:
-            wait_until(lambda: totals() == sorted(truths), 60, interval=0.1, what="every process's totals")
+            wait_until(lambda: _totals(sink, False) == sorted(truths), 60, interval=0.1, what="every process's totals")
         except TimeoutError:
-            assert totals() == sorted(truths)
+            assert _totals(sink, False) == sorted(truths)
         assert len(sink.spans()) == 2 * REQUESTS
 
 

@@ -19,32 +19,14 @@ import otel_llm
 from otel_llm import TelemetryConfig
 from otel_llm.integrations.transformers import TransformersInstrumentor
 from otel_llm.testing import collect_metrics
+from otel_llm.testing.models import VOCAB_SIZE, make_tiny_llama
 from otel_llm.testing.read import MetricsSnapshot, spans_by_request
 
 # One thread: two shared cores, and torch's threads contending with the engine's own thread
 # made a 2 s run take 30 s here.
 torch.set_num_threads(1)
 
-VOCAB_SIZE = 512
 CB_LOGGER = "ContinuousBatchingLogger"  # transformers' continuous-batching logger
-
-
-def make_tiny_llama(path: Path, seed: int = 0) -> Path:
-    """A 2-layer Llama (hidden 128, 2 heads of 64, vocabulary 512) with seeded random weights."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        vocab_size=VOCAB_SIZE,
-        max_position_embeddings=512,
-    )
-    LlamaForCausalLM(config).save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="session")

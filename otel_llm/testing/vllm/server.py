@@ -27,9 +27,11 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping, Optional, Sequence
 
+from otel_llm.testing.models import VOCAB_SIZE
+
 LOOPBACK = "127.0.0.1"
 MODEL_NAME = "tiny-llama"
-MAX_MODEL_LEN = 256
+MAX_MODEL_LEN = 256  # within the tiny Llama's 512 positions
 KV_PRESSURE_ARGS = (
     "--num-gpu-blocks-override",
     "12",
@@ -41,26 +43,6 @@ KV_PRESSURE_ARGS = (
     "16",
 )
 SERVER_ARGS = ("--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager", *KV_PRESSURE_ARGS)
-VOCAB_SIZE = 512
-
-
-def make_tiny_llama(path: Path, seed: int = 0) -> Path:
-    """A 2-layer Llama (hidden 128, 2 heads of 64, vocabulary 512) with seeded random weights."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        vocab_size=VOCAB_SIZE,
-        max_position_embeddings=2 * MAX_MODEL_LEN,
-    )
-    LlamaForCausalLM(config).save_pretrained(path)
-    return path
 
 
 def free_port() -> int:
