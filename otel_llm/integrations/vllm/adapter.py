@@ -29,7 +29,12 @@ MAX_ENGINES = 1024  # engine indexes tracked by one logger (elastic EP may add s
 class VllmAdapter:
     """The translation, independent of vLLM's base classes (so it is testable without vLLM)."""
 
-    def __init__(self, vllm_config: Any, engine_indexes: Iterable[int], *, handle: Any = None) -> None:
+    def __init__(
+        self, vllm_config: Any, engine_indexes: Iterable[int], *, handle: Any = None, replace: bool = False
+    ) -> None:
+        from otel_llm.integrations.vllm import replace as vllm_replace
+
+        vllm_replace.mode()  # a bad OTEL_LLM_VLLM_METRICS stops here, named
         self.reader = FieldReader()
         self.vllm_config = vllm_config
         engine_indexes = list(engine_indexes)
@@ -50,10 +55,31 @@ class VllmAdapter:
         # which need their Views.
         self.series = _series(vllm_config, engine_indexes, (own_config or handle.config).naming)
         self._series_failed: set[str] = set()
+        # Replace mode: this logger answers vLLM's /metrics in place of vLLM's own logger.
+        self.replacing = False
+        if replace:
+            reason = (
+                vllm_replace.obstacle(
+                    vllm_config,
+                    (own_config or handle.config).naming,
+                    handle is not None and not shared_handle.answers_vllm(),
+                )
+                if self.series is not None
+                else "vLLM's series beyond the core metrics could not be built"
+            )
+            if reason is not None:
+                vllm_replace.report_fallback(reason)
+            self.replacing = reason is None
+        elif vllm_replace.requested():  # the add-mode class: this vLLM may build its own logger anyway
+            vllm_replace.report_fallback(vllm_replace.version_obstacle() or "this stat-logger class is add mode's")
         if handle is None:
             if self.series is not None:
                 own_config = _with_vllm_buckets(own_config, self.series, vllm_config)
-            handle = shared_handle.get_handle(own_config, self.series.views() if self.series is not None else ())
+            handle = shared_handle.get_handle(
+                own_config,
+                self.series.views() if self.series is not None else (),
+                self._vllm_facing_reader if self.replacing else tuple,
+            )
         self.handle = handle
         base = handle.config
         # The model label: OTEL_LLM_MODEL_NAME, else a name the handle's owner chose, else vLLM's.
@@ -86,6 +112,15 @@ class VllmAdapter:
 
         if vllm_deep_hook.enabled() and vllm_deep_hook.install():
             self._deep_hook = vllm_deep_hook
+
+    def _vllm_facing_reader(self) -> list[Any]:
+        from vllm.v1.metrics.prometheus import get_prometheus_registry
+
+        from otel_llm.integrations.vllm.replace import VllmFacingReader
+
+        assert self.series is not None  # replace mode needs vLLM's series (their HELP text)
+        documentation = {name: f.documentation for name, f in self.series.families.items()}
+        return [VllmFacingReader(get_prometheus_registry(), documentation)]
 
     def _bind_series(self) -> None:
         from otel_llm.integrations.vllm.series import SeriesView

@@ -68,8 +68,12 @@ def _forced() -> bool:
 
 
 def register() -> None:
-    """``vllm.general_plugins`` entry point: install when enabled; never raises into vLLM."""
+    """``vllm.general_plugins`` entry point: install when enabled, and say when vLLM's frontend
+    will not call the plugin at all (:mod:`.frontend`); never raises into vLLM."""
     try:
+        from otel_llm.integrations.vllm import frontend
+
+        frontend.check()
         if enabled():
             install()
     except Exception:  # noqa: BLE001 - registration must not stop vLLM: the plain plugin stays
@@ -147,18 +151,24 @@ def trace_of(finished_stats: Any) -> Optional[RequestTrace]:
     return trace if isinstance(trace, RequestTrace) else None
 
 
-def _version_ok() -> tuple[bool, str]:
-    try:
-        import vllm
+def vllm_version() -> tuple[str, tuple[int, int]]:
+    """vLLM's version string and its (major, minor); raises ImportError without vLLM."""
+    import vllm
 
-        version = str(getattr(vllm, "__version__", "0"))
-    except Exception as exc:  # noqa: BLE001 - any import failure means no deep hook
-        return False, f"vLLM is not importable ({exc!r})"
+    version = str(getattr(vllm, "__version__", "0"))
     parts = []
     for piece in version.split(".")[:2]:
         digits = "".join(ch for ch in piece if ch.isdigit())
         parts.append(int(digits) if digits else 0)
-    parsed = tuple(parts + [0] * (2 - len(parts)))
+    major, minor = (parts + [0, 0])[:2]
+    return version, (major, minor)
+
+
+def _version_ok() -> tuple[bool, str]:
+    try:
+        version, parsed = vllm_version()
+    except Exception as exc:  # noqa: BLE001 - any import failure means no deep hook
+        return False, f"vLLM is not importable ({exc!r})"
     low, high = TESTED_VERSIONS
     if not (low <= parsed < high):
         return False, f"vLLM {version} is outside the accepted range {low}..<{high} (set {ENV}=force to try)"

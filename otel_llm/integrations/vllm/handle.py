@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 _log = logging.getLogger("otel_llm.integrations.vllm")  # one logger for the vLLM adapter, whichever module logs
 
 _handle_lock = threading.Lock()
 _handle: Any = None  # otel_llm.export.setup.TelemetryHandle
 _handle_owned = False
+_answers_vllm = False  # built with the reader that answers vLLM's /metrics (replace mode)
 
 
 def use_handle(handle: Any) -> None:
@@ -21,17 +22,17 @@ def use_handle(handle: Any) -> None:
     Call before the engine starts (before ``AsyncLLM`` is built). Without it the plugin builds
     its own from the environment on first use: ``setup_telemetry(TelemetryConfig.from_env(...))``.
     """
-    global _handle, _handle_owned
+    global _handle, _handle_owned, _answers_vllm
     with _handle_lock:
-        _handle, _handle_owned = handle, False
+        _handle, _handle_owned, _answers_vllm = handle, False, False
 
 
 def reset() -> None:
     """Forget the process-wide providers (shutting them down if the plugin built them). Tests."""
-    global _handle, _handle_owned
+    global _handle, _handle_owned, _answers_vllm
     with _handle_lock:
         handle, owned = _handle, _handle_owned
-        _handle, _handle_owned = None, False
+        _handle, _handle_owned, _answers_vllm = None, False, False
     if handle is not None and owned:
         try:
             handle.shutdown()
@@ -39,22 +40,31 @@ def reset() -> None:
             _log.exception("otel-llm: shutting down the telemetry failed")
 
 
-def get_handle(config: Any, extra_views: Sequence[Any]) -> Any:
-    global _handle, _handle_owned
+def get_handle(config: Any, extra_views: Sequence[Any], extra_readers: Callable[[], Sequence[Any]] = tuple) -> Any:
+    """The process's handle, built on first use with ``extra_views`` and the readers that
+    ``extra_readers`` makes (called only then)."""
+    global _handle, _handle_owned, _answers_vllm
     with _handle_lock:
         if _handle is None:
-            _handle, _handle_owned = setup(config, extra_views), True
+            readers = extra_readers()
+            _handle, _handle_owned = setup(config, extra_views, readers), True
+            _answers_vllm = bool(readers)
         return _handle
 
 
-def setup(config: Any, extra_views: Sequence[Any]) -> Any:
+def setup(config: Any, extra_views: Sequence[Any], extra_readers: Sequence[Any] = ()) -> Any:
     """setup_telemetry as every entry point calls it: a Prometheus port that another process on
     this host holds leaves this process without /metrics, its OTLP metrics and traces on."""
     from otel_llm.export.setup import setup_telemetry
 
-    return setup_telemetry(config, extra_views=extra_views, port_taken="warn")
+    return setup_telemetry(config, extra_views=extra_views, extra_metric_readers=extra_readers, port_taken="warn")
 
 
 def current() -> Any:
     """The handle in use (None before the first logger is built, unless use_handle gave one)."""
     return _handle
+
+
+def answers_vllm() -> bool:
+    """The handle in use was built with the reader that answers vLLM's /metrics."""
+    return _answers_vllm

@@ -18,7 +18,8 @@ Settings (environment; see docs/vllm.md): the standard ``OTEL_*`` variables thro
 :func:`otel_llm.setup_telemetry`, ``OTEL_LLM_*`` through :meth:`TelemetryConfig.from_env`
 (``OTEL_LLM_MODEL_NAME`` overrides vLLM's served model name), and
 ``OTEL_LLM_VLLM_DEEP_HOOK=1`` for the opt-in per-preemption timing
-(:mod:`otel_llm.integrations.vllm.deep_hook`).
+(:mod:`otel_llm.integrations.vllm.deep_hook`), ``OTEL_LLM_VLLM_METRICS=replace`` to answer vLLM's
+own ``/metrics`` in place of vLLM's Prometheus logger (:mod:`otel_llm.integrations.vllm.replace`).
 """
 
 from __future__ import annotations
@@ -65,7 +66,19 @@ def _guard(method: Callable) -> Callable:
     return wrapper
 
 
-def _make_logger_class() -> type:
+_logger_classes: dict[bool, type] = {}
+
+
+def _make_logger_class(replace: bool = False) -> type:
+    if replace not in _logger_classes:
+        add = _logger_classes.get(False) or _make_adding_class()
+        _logger_classes[False] = add
+        if replace:
+            _logger_classes[True] = _make_replacing_class(add)
+    return _logger_classes[replace]
+
+
+def _make_adding_class() -> type:
     (base,) = _vllm_bases()
 
     class OtelStatLogger(base):  # type: ignore[valid-type, misc]  # a base class found at run time
@@ -88,11 +101,13 @@ def _make_logger_class() -> type:
             self.vllm_config = vllm_config
             self._impl: Optional[VllmAdapter] = None
             try:
-                self._impl = VllmAdapter(vllm_config, self.engine_indexes)
+                self._impl = VllmAdapter(vllm_config, self.engine_indexes, replace=self.replaces_vllm_logger)
             except ValueError as exc:  # a bad setting (OTEL_*, OTEL_LLM_*): its name and the rule, one line
                 _log.error("otel-llm vLLM adapter: telemetry disabled, vLLM serves on: %s", exc)
             except Exception:  # noqa: BLE001 - whatever else fails at start must not stop vLLM from serving
                 _log.exception("otel-llm vLLM adapter: telemetry disabled, it could not start")
+
+        replaces_vllm_logger = False  # replace mode's class: True
 
         @_guard
         def record(
@@ -141,6 +156,11 @@ def _make_logger_class() -> type:
             return dict(self._impl.telemetry) if self._impl is not None else {}
 
         @property
+        def handle(self) -> Any:
+            """The :class:`otel_llm.TelemetryHandle` it records into (None when disabled)."""
+            return self._impl.handle if self._impl is not None else None
+
+        @property
         def field_warnings(self) -> frozenset[tuple[str, str]]:
             return self._impl.reader.warned if self._impl is not None else frozenset()
 
@@ -149,11 +169,76 @@ def _make_logger_class() -> type:
     return OtelStatLogger
 
 
+def _make_replacing_class(adding: Any) -> type:
+    """Replace mode: a ``PrometheusStatLogger`` by class (its constructor never run), so that
+    vLLM's StatLoggerManager builds none of its own beside it. Where the plugin cannot stand in
+    for it (:func:`.replace.obstacle`, or the plugin off), it builds vLLM's and hands it
+    every call first, as vLLM would: add mode."""
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    class OtelStatLogger(adding, PrometheusStatLogger):
+        replaces_vllm_logger = True
+
+        def __init__(
+            self, vllm_config: Any, engine_indexes: Any = None, engine_index: Any = None, **kwargs: Any
+        ) -> None:
+            adding.__init__(self, vllm_config, engine_indexes, engine_index, **kwargs)
+            self.vllm_logger: Optional[PrometheusStatLogger] = None
+            if self._impl is None or not self._impl.replacing:
+                self.vllm_logger = PrometheusStatLogger(vllm_config, self.engine_indexes)
+
+        def record(
+            self,
+            scheduler_stats: Any,
+            iteration_stats: Any,
+            mm_cache_stats: Any = None,
+            engine_idx: int = 0,
+            *args: Any,
+            **kwargs: Any,
+        ) -> None:
+            if self.vllm_logger is not None:
+                self.vllm_logger.record(
+                    scheduler_stats, iteration_stats, mm_cache_stats=mm_cache_stats, engine_idx=engine_idx
+                )
+            adding.record(self, scheduler_stats, iteration_stats, mm_cache_stats, engine_idx)
+
+        def log_engine_initialized(self) -> None:
+            if self.vllm_logger is not None:
+                self.vllm_logger.log_engine_initialized()
+            adding.log_engine_initialized(self)
+
+        def log(self) -> None:
+            if self.vllm_logger is not None:
+                self.vllm_logger.log()
+            adding.log(self)
+
+        def record_sleep_state(self, *args: Any, **kwargs: Any) -> None:
+            if self.vllm_logger is not None:
+                self.vllm_logger.record_sleep_state(*args, **kwargs)
+            adding.record_sleep_state(self, *args, **kwargs)
+
+        def record_admission_rejection(self, reason: str) -> None:
+            if self.vllm_logger is not None:
+                self.vllm_logger.record_admission_rejection(reason)
+            adding.record_admission_rejection(self, reason)
+
+    OtelStatLogger.__module__ = __name__
+    OtelStatLogger.__qualname__ = "OtelStatLogger"
+    return OtelStatLogger
+
+
+def stat_logger_class() -> type:
+    """The stat-logger class for the mode ``OTEL_LLM_VLLM_METRICS`` asks for: replace mode's
+    where this vLLM leaves its own logger out for it, else add mode's (:mod:`.replace`)."""
+    from otel_llm.integrations.vllm import replace as vllm_replace
+
+    replace = vllm_replace.requested() and vllm_replace.version_obstacle() is None
+    return _make_logger_class(replace)
+
+
 def __getattr__(name: str) -> Any:
     # Lazy: the class derives from vLLM's base, so vLLM is imported only when it is asked for
-    # (by vLLM's entry-point loader, or by a user).
+    # (by vLLM's entry-point loader, or by a user); the mode is read at each lookup.
     if name == "OtelStatLogger":
-        cls = _make_logger_class()
-        globals()[name] = cls
-        return cls
+        return stat_logger_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
