@@ -177,15 +177,19 @@ class ScriptedCore:
             self.finished.set()
 
 
-def round_specs(requests: int, tokens: int) -> list[Any]:
-    """A quarter of the requests preempted once, a third of the way through (as bench.vllm_record)."""
+def round_specs(requests: int, tokens: int, running: int = 4) -> list[Any]:
+    """All requests arrive at once; ``running`` at a time are scheduled, the rest wait their
+    turn (the real engine under bench.vllm_engine's KV pressure runs 3 or 4 at once, so the
+    per-step work is shared by that many tokens); a quarter preempted once, a third of the way
+    through (as bench.vllm_record)."""
     from otel_llm.testing.vllm.stream import Spec
 
+    wave = tokens + 3  # a preempted request's 2 steps back in the queue, and one to spare
     return [
         Spec(
             f"r{i}",
-            arrive=i // 8,
-            queue=i % 3,
+            arrive=0,
+            queue=(i // running) * wave,
             prompt=40 + i,
             tokens=tokens,
             max_tokens=tokens,
@@ -536,10 +540,10 @@ def summarize(rounds: dict[str, list[dict[str, Any]]], field: str) -> dict[str, 
     return out
 
 
-async def _run(rounds: int, requests: int, tokens: int, profile: bool, log: Any) -> dict[str, Any]:
+async def _run(rounds: int, requests: int, tokens: int, running: int, profile: bool, log: Any) -> dict[str, Any]:
     from otel_llm.testing.vllm.server import make_tiny_llama
 
-    specs = round_specs(requests, tokens)
+    specs = round_specs(requests, tokens, running)
     client = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -614,9 +618,14 @@ async def _run(rounds: int, requests: int, tokens: int, profile: bool, log: Any)
 
 
 def run(
-    rounds: int = 20, requests: int = 64, tokens: int = 96, profile: bool = True, log: Any = sys.stderr
+    rounds: int = 20,
+    requests: int = 64,
+    tokens: int = 96,
+    running: int = 4,
+    profile: bool = True,
+    log: Any = sys.stderr,
 ) -> dict[str, Any]:
-    return asyncio.run(_run(rounds, requests, tokens, profile, log))
+    return asyncio.run(_run(rounds, requests, tokens, running, profile, log))
 
 
 def table_lines(r: dict[str, Any]) -> list[str]:
@@ -650,6 +659,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     p.add_argument("--requests", type=int, default=64, help="concurrent streaming requests per round (default 64)")
     p.add_argument("--tokens", type=int, default=96, help="output tokens per request (default 96)")
+    p.add_argument("--running", type=int, default=4, help="requests scheduled at once (default 4)")
     p.add_argument("--no-profile", action="store_true", help="skip the profile by function")
     p.add_argument("--out", type=Path, default=HERE / "results.json", help="JSON to update (key vllm_frontend)")
     p.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
@@ -658,10 +668,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return client_main()
     if args.rounds < 3:
         p.error("--rounds: at least 3")
-    if args.requests < 1 or args.tokens < 3:
-        p.error("--requests: at least 1; --tokens: at least 3")
+    if args.requests < 1 or args.tokens < 3 or args.running < 1:
+        p.error("--requests, --running: at least 1; --tokens: at least 3")
     return write_section(
-        KEY, args.out, lambda: run(args.rounds, args.requests, args.tokens, not args.no_profile), table_lines
+        KEY,
+        args.out,
+        lambda: run(args.rounds, args.requests, args.tokens, args.running, not args.no_profile),
+        table_lines,
     )
 
 
