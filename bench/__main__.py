@@ -19,7 +19,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from . import export, memory, outage, per_event, throughput, vllm_engine, vllm_record
+from . import export, memory, outage, per_event, throughput, vllm_engine, vllm_frontend, vllm_record
 
 SECTIONS: dict[str, Callable[[bool, int], dict[str, Any]]] = {
     "per_event": per_event.run,
@@ -32,7 +32,7 @@ HERE = Path(__file__).resolve().parent
 # Written by their own commands in vLLM's environments (python -m bench.vllm_engine in
 # .venv-vllm-cpu, python -m bench.vllm_record in .venv-vllm): a run here keeps them from the
 # file it replaces.
-KEPT_SECTIONS = (vllm_engine.KEY, vllm_record.KEY)
+KEPT_SECTIONS = (vllm_engine.KEY, vllm_engine.REPLACE_KEY, vllm_record.KEY, vllm_frontend.KEY)
 
 
 def _versions() -> dict[str, str]:

@@ -25,6 +25,7 @@ from .common import median, ratio, write_section
 
 HERE = Path(__file__).resolve().parent
 KEY = "vllm_engine"
+REPLACE_KEY = "vllm_engine_replace"  # the same with OTEL_LLM_VLLM_METRICS=replace on the "on" server
 PLUGIN_GROUPS = (
     "vllm.general_plugins",
     "vllm.stat_logger_plugins",
@@ -115,7 +116,9 @@ def run_round(server: Any, load: Any) -> dict[str, Any]:
     }
 
 
-def run(pairs: int = 5, requests: int = 64, max_tokens: int = 96, log: Any = sys.stderr) -> dict[str, Any]:
+def run(
+    pairs: int = 5, requests: int = 64, max_tokens: int = 96, metrics_mode: str = "add", log: Any = sys.stderr
+) -> dict[str, Any]:
     from otel_llm.testing.models import make_tiny_llama
     from otel_llm.testing.span_receiver import SpanReceiver
     from otel_llm.testing.vllm.server import SERVER_ARGS, Load, VllmServer
@@ -133,6 +136,7 @@ def run(pairs: int = 5, requests: int = 64, max_tokens: int = 96, log: Any = sys
                     "OTEL_TRACES_EXPORTER": "otlp",
                     "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": receiver.endpoint,
                     "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc",
+                    "OTEL_LLM_VLLM_METRICS": metrics_mode,
                 },
                 log_path=Path(tmp) / "on.log",
             ),
@@ -185,6 +189,7 @@ def run(pairs: int = 5, requests: int = 64, max_tokens: int = 96, log: Any = sys
         "on": {
             "plugin": "entry points otel_llm + otel_llm_deep_hook; OTEL_LLM_VLLM_DEEP_HOOK=1; our /metrics; "
             "one span per request over OTLP/gRPC to a receiver in the bench process",
+            "OTEL_LLM_VLLM_METRICS": metrics_mode,
             "plugin_endpoint_answers": plugin_answers["on"],
             "spans_received_all": spans_received,
         },
@@ -224,11 +229,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--pairs", type=int, default=5, help="off/on pairs of loads (default 5, at least 3)")
     p.add_argument("--requests", type=int, default=64, help="requests per load, all at once (default 64)")
     p.add_argument("--max-tokens", type=int, default=96)
-    p.add_argument("--out", type=Path, default=HERE / "results.json", help="JSON to update (key vllm_engine)")
+    p.add_argument(
+        "--metrics-mode",
+        choices=("add", "replace"),
+        default="add",
+        help=f"OTEL_LLM_VLLM_METRICS of the plugin's server (replace: written under {REPLACE_KEY})",
+    )
+    p.add_argument("--out", type=Path, default=HERE / "results.json", help=f"JSON to update (key {KEY})")
     args = p.parse_args(argv)
     if args.pairs < 3:
         p.error("--pairs: at least 3")
-    return write_section(KEY, args.out, lambda: run(args.pairs, args.requests, args.max_tokens), table_lines)
+    key = KEY if args.metrics_mode == "add" else REPLACE_KEY
+    return write_section(
+        key, args.out, lambda: run(args.pairs, args.requests, args.max_tokens, args.metrics_mode), table_lines
+    )
 
 
 if __name__ == "__main__":
