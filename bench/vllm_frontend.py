@@ -96,27 +96,51 @@ def _vllm_environment(cache: str) -> None:
 class ScriptedCore:
     """What ``AsyncLLM`` uses of vLLM's engine-core client, answering from a script.
 
-    It waits until the round's ``expected`` requests are in, assigns them the round's specs
-    (``otel_llm.testing.vllm.stream.Spec``, by arrival order), and then yields one step's
-    ``EngineCoreOutputs`` per ``get_output_async`` (tokens, engine-core events, scheduler
-    stats), each step only once every request's output collector is empty again.
+    Every step's ``EngineCoreOutputs`` (tokens, engine-core events, scheduler stats) is built
+    when the core is, before the round is measured, from the round's specs
+    (``otel_llm.testing.vllm.stream``); once all the round's requests are in, they are given
+    their request ids by arrival order, and ``get_output_async`` yields one step at a time, each
+    only once every request's output collector is empty again.
     """
 
     engine_ranks_managed = [0]
 
-    class resources:
+    class resources:  # vLLM reads engine_core.resources.engine_dead
         engine_dead = False
 
     def __init__(self, specs: list[Any]) -> None:
-        self.specs = specs
+        from vllm.v1.engine import EngineCoreOutputs
+
+        from otel_llm.testing.vllm.stream import build, engine_core_output, scheduler_stats
+
         self.processor: Any = None  # AsyncLLM's OutputProcessor, set once it exists
+        self._expected = len(specs)
         self._requests: list[Any] = []
         self._arrived = asyncio.Event()
         self.finished = asyncio.Event()
+        script = build(specs, t0=time.monotonic(), w0=time.time())
+        by_rid = {s.rid: s for s in specs}
+        self._outputs: dict[str, list[Any]] = {s.rid: [] for s in specs}  # per request, to name at arrival
+        self._steps = []
+        for step in range(script.last_step + 1):
+            outs = script.outputs.get(step, [])
+            engine_outputs = [engine_core_output(by_rid[o.rid], o) for o in outs]
+            for out, engine_output in zip(outs, engine_outputs):
+                self._outputs[out.rid].append(engine_output)
+            self._steps.append(
+                EngineCoreOutputs(
+                    engine_index=0,
+                    outputs=engine_outputs,
+                    scheduler_stats=scheduler_stats(script, step, outs),
+                    timestamp=script.output_ts(step),
+                )
+            )
+        self._rids = [s.rid for s in specs]
+        self._stream = self._script_steps()
 
     async def add_request_async(self, request: Any) -> None:
         self._requests.append(request)
-        if len(self._requests) == len(self.specs):
+        if len(self._requests) == self._expected:
             self._arrived.set()
 
     async def abort_requests_async(self, request_ids: Any) -> None:
@@ -146,35 +170,18 @@ class ScriptedCore:
         raise RuntimeError("the streams did not take their outputs")
 
     async def get_output_async(self) -> Any:
-        # One round per batch of requests; between rounds, wait for the next batch.
-        if not hasattr(self, "_steps"):
-            self._steps = self._script_steps()
-        return await self._steps.__anext__()
+        return await self._stream.__anext__()
 
     async def _script_steps(self) -> Any:
-        from vllm.v1.engine import EngineCoreOutputs
-
-        from otel_llm.testing.vllm.stream import Spec, build, engine_core_output, scheduler_stats
-
-        while True:
-            await self._arrived.wait()
-            requests, self._requests = self._requests, []
-            self._arrived.clear()
-            specs = [
-                Spec(**{**spec.__dict__, "rid": request.request_id}) for spec, request in zip(self.specs, requests)
-            ]
-            script = build(specs, t0=time.monotonic(), w0=time.time())
-            by_id = {s.rid: s for s in specs}
-            for step in range(script.last_step + 1):
-                await self._drained()
-                outs = script.outputs.get(step, [])
-                yield EngineCoreOutputs(
-                    engine_index=0,
-                    outputs=[engine_core_output(by_id[o.rid], o) for o in outs],
-                    scheduler_stats=scheduler_stats(script, step, outs),
-                    timestamp=script.output_ts(step),
-                )
-            self.finished.set()
+        await self._arrived.wait()
+        for rid, request in zip(self._rids, self._requests):
+            for output in self._outputs[rid]:
+                output.request_id = request.request_id
+        for outputs in self._steps:
+            await self._drained()
+            yield outputs
+        self.finished.set()
+        await asyncio.Event().wait()  # no more steps this round: as an idle engine core
 
 
 def round_specs(requests: int, tokens: int, running: int = 4) -> list[Any]:
