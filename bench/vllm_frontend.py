@@ -548,7 +548,7 @@ def summarize(rounds: dict[str, list[dict[str, Any]]], field: str) -> dict[str, 
 
 
 async def _run(rounds: int, requests: int, tokens: int, running: int, profile: bool, log: Any) -> dict[str, Any]:
-    from otel_llm.testing.vllm.server import make_tiny_llama
+    from otel_llm.testing.models import make_tiny_llama
 
     specs = round_specs(requests, tokens, running)
     client = await asyncio.create_subprocess_exec(
