@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Optional, Sequence
 
 from .engine import Engine, EngineConfig
+from .stopping import EXIT_STATUS, Stopped, stop_on_sigterm
 from .workload import WorkloadSpec, generate, run_workload
 
 
@@ -53,9 +55,22 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     )
     requests = generate(spec, config.num_kv_blocks * config.block_size)
     try:
-        result = run_workload(engine, requests, step_time=args.step_time, temperature=args.temperature)
-    finally:
-        engine.shutdown()
+        with stop_on_sigterm():
+            try:
+                result = run_workload(engine, requests, step_time=args.step_time, temperature=args.temperature)
+            except Stopped:
+                in_flight = engine.num_running + engine.num_waiting
+                print(
+                    f"engine_stub: stopped by SIGTERM, {in_flight} requests in flight cut short; "
+                    "flushing the telemetry",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                raise
+            finally:
+                engine.shutdown()  # the plugins flush: in-flight spans end marked incomplete
+    except Stopped:
+        sys.exit(EXIT_STATUS)
     thrashing = sum(1 for o in result.outputs if o.num_preemptions >= 5)
     print(f"requests         {len(result.outputs)}")
     print(f"steps            {result.steps}")

@@ -78,6 +78,7 @@ def demo(args: argparse.Namespace, stack: Optional[Stack] = None) -> int:
     # engine_stub needs torch; imported here so that the rest of the CLI does not.
     try:
         from engine_stub import Engine, EngineConfig
+        from engine_stub.stopping import EXIT_STATUS, Stopped, stop_on_sigterm
         from engine_stub.workload import WorkloadSpec, generate, run_workload
     except ModuleNotFoundError as exc:
         if exc.name != "torch":
@@ -130,34 +131,46 @@ def demo(args: argparse.Namespace, stack: Optional[Stack] = None) -> int:
         )
         return 2
 
-    try:
-        spec = WorkloadSpec(num_requests=args.requests, rate=args.rate, seed=args.seed)
-        requests = generate(spec, engine_config.num_kv_blocks * engine_config.block_size)
-        progress = None if args.no_progress else Progress(len(requests))
-        started = time.time()
-        result = run_workload(engine, requests, on_step=progress)
-        if progress is not None:
-            progress.close()
-        handle.force_flush()
-        print_summary(args, config, engine, result, reader, traces)
-        if stack is not None:
-            histogram_name = BY_KEY["request_num_preemptions"].name(config.naming)
-            print_drilldown(drill_down(stack, histogram_name, traces.by_request, args.top, started), len(requests))
-            print(flush=True)
-        if args.serve_seconds > 0:
-            url = f"http://{args.prometheus_host}:{handle.prometheus_port}/metrics"
+    progress: Optional[Progress] = None
+    with stop_on_sigterm():
+        try:
+            spec = WorkloadSpec(num_requests=args.requests, rate=args.rate, seed=args.seed)
+            requests = generate(spec, engine_config.num_kv_blocks * engine_config.block_size)
+            progress = None if args.no_progress else Progress(len(requests))
+            started = time.time()
+            result = run_workload(engine, requests, on_step=progress)
+            if progress is not None:
+                progress.close()
+            handle.force_flush()
+            print_summary(args, config, engine, result, reader, traces)
             if stack is not None:
-                print(f"Prometheus {stack.prometheus.url} and Phoenix {stack.phoenix.url} stay up as long")
-            print(f"serving {url} for {args.serve_seconds:g} s (Ctrl-C to stop)", flush=True)
-            try:
-                threading.Event().wait(args.serve_seconds)
-            except KeyboardInterrupt:
-                pass  # the ordinary way to stop serving
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
-        return 130
-    finally:
-        handle.shutdown()
+                histogram_name = BY_KEY["request_num_preemptions"].name(config.naming)
+                print_drilldown(drill_down(stack, histogram_name, traces.by_request, args.top, started), len(requests))
+                print(flush=True)
+            if args.serve_seconds > 0:
+                url = f"http://{args.prometheus_host}:{handle.prometheus_port}/metrics"
+                if stack is not None:
+                    print(f"Prometheus {stack.prometheus.url} and Phoenix {stack.phoenix.url} stay up as long")
+                print(f"serving {url} for {args.serve_seconds:g} s (Ctrl-C to stop)", flush=True)
+                try:
+                    threading.Event().wait(args.serve_seconds)
+                except KeyboardInterrupt:
+                    pass  # the ordinary way to stop serving
+        except KeyboardInterrupt:
+            print("\ninterrupted", file=sys.stderr)
+            return 130
+        except Stopped:
+            if progress is not None:
+                progress.close()
+            in_flight = engine.num_running + engine.num_waiting
+            print(
+                f"otel-llm demo: stopped by SIGTERM, {in_flight} requests in flight cut short; flushing the telemetry",
+                file=sys.stderr,
+                flush=True,
+            )
+            return EXIT_STATUS
+        finally:
+            handle.shutdown()  # in-flight spans end marked incomplete; everything is flushed
     return 0
 
 
