@@ -7,6 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+# Why a request was cut short: RequestSummary.incomplete, the span's llm.request.incomplete.
+SHUTDOWN = "shutdown"  # the engine or the telemetry stopped with the request in flight
+ENGINE_DEAD = "engine_dead"  # the engine (core) died with the request in flight
+
 
 @dataclass(frozen=True)
 class RequestSummary:
@@ -14,7 +18,8 @@ class RequestSummary:
 
     ``None`` means unknown (e.g. a request aborted before it was scheduled has no queue time);
     unknown values are not observed. ``preemptions`` lists (timestamp, num_computed_tokens,
-    reason) where the source knows them.
+    reason) where the source knows them. ``incomplete`` says why a request that did not run to
+    its end was cut short (``"shutdown"``, ``"engine_dead"``), ``error_type`` what failed it.
     """
 
     request_id: str
@@ -35,6 +40,8 @@ class RequestSummary:
     recomputed_tokens: int = 0
     cached_tokens: int = 0
     preemptions: tuple[tuple[float, int, str], ...] = ()
+    incomplete: Optional[str] = None
+    error_type: Optional[str] = None
 
     @property
     def e2e(self) -> float:

@@ -46,6 +46,7 @@ def demo_transformers(args: argparse.Namespace) -> int:
     import torch
     from transformers import ContinuousBatchingConfig, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
+    from engine_stub.stopping import EXIT_STATUS, Stopped, stop_on_sigterm
     from otel_llm.export.setup import setup_telemetry
     from otel_llm.integrations.transformers import TransformersInstrumentor
 
@@ -73,85 +74,97 @@ def demo_transformers(args: argparse.Namespace) -> int:
         h.setLevel(logging.WARNING)
     cb_logger.addHandler(evictions)
     cb_logger.setLevel(logging.INFO)
-    try:
-        torch.set_num_threads(1)
-        torch.manual_seed(args.seed)
-        with tempfile.TemporaryDirectory() as tmp:
-            LlamaForCausalLM(
-                LlamaConfig(
-                    hidden_size=128,
-                    intermediate_size=256,
-                    num_hidden_layers=2,
-                    num_attention_heads=2,
-                    num_key_value_heads=2,
-                    vocab_size=512,
-                    max_position_embeddings=512,
-                )
-            ).save_pretrained(Path(tmp))
-            model = LlamaForCausalLM.from_pretrained(tmp, attn_implementation="sdpa", dtype=torch.float32)
-        instrumentor.instrument(
-            config=config, meter_provider=handle.meter_provider, tracer_provider=handle.tracer_provider
-        )
-        rng = random.Random(args.seed)
-        inputs = [[rng.randrange(1, 512) for _ in range(rng.randint(8, 40))] for _ in range(args.requests)]
-        t0 = time.perf_counter()
-        outputs = model.generate_batch(
-            inputs=inputs,
-            generation_config=GenerationConfig(
-                max_new_tokens=MAX_NEW_TOKENS, do_sample=False, eos_token_id=-1, pad_token_id=0
-            ),
-            continuous_batching_config=ContinuousBatchingConfig(
-                page_size=16,
-                num_blocks=args.kv_blocks,
-                max_batch_tokens=128,
-                max_requests_per_batch=16,
-                allow_block_sharing=False,
-            ),
-            warmup=False,
-        )
-        elapsed = time.perf_counter() - t0
-        instrumentor.uninstrument()  # the telemetry applies what is pending; the providers stay ours
-        handle.force_flush()
-        histogram_name = BY_KEY["request_num_preemptions"].name(config.naming)
-        histogram = PreemptionHistogram.from_point(_histogram_point(reader, histogram_name))
-        tokens = sum(len(o.generated_tokens) for o in outputs.values())
-        agrees = histogram.count == len(outputs) == len(traces.by_request) and histogram.sum == evictions.count == sum(
-            c for c, _ in traces.by_request.values()
-        )
-        thrashing = sum(c >= THRASHING for c, _ in traces.by_request.values())
-        print(
-            f"otel-llm demo: transformers continuous batching, {args.kv_blocks} KV blocks x 16 tokens, "
-            f"{MAX_NEW_TOKENS} new tokens per request, seed {args.seed}"
-        )
-        print_fields(
-            [
-                ("requests", histogram.count),
-                ("output tokens", tokens),
-                ("wall time", f"{elapsed:.1f} s"),
-                ("tokens/s", f"{tokens / elapsed:.0f}"),
-                ("preemptions", int(histogram.sum)),
-                ("thrashing", f"{thrashing} requests with {THRASHING}+ preemptions"),
-                ("ground truth", "telemetry equals the engine" if agrees else "MISMATCH with the engine"),
-            ]
-        )
-        print()
-        print_chart(histogram_name, histogram)
-        print()
-        print_worst(traces.by_request, args.top)
-        print(flush=True)
-        if args.serve_seconds > 0:
-            print(
-                f"serving http://{args.prometheus_host}:{handle.prometheus_port}/metrics for {args.serve_seconds:g} s"
+    with stop_on_sigterm():
+        try:
+            torch.set_num_threads(1)
+            torch.manual_seed(args.seed)
+            with tempfile.TemporaryDirectory() as tmp:
+                LlamaForCausalLM(
+                    LlamaConfig(
+                        hidden_size=128,
+                        intermediate_size=256,
+                        num_hidden_layers=2,
+                        num_attention_heads=2,
+                        num_key_value_heads=2,
+                        vocab_size=512,
+                        max_position_embeddings=512,
+                    )
+                ).save_pretrained(Path(tmp))
+                model = LlamaForCausalLM.from_pretrained(tmp, attn_implementation="sdpa", dtype=torch.float32)
+            instrumentor.instrument(
+                config=config, meter_provider=handle.meter_provider, tracer_provider=handle.tracer_provider
             )
-            try:
-                threading.Event().wait(args.serve_seconds)
-            except KeyboardInterrupt:
-                pass  # the ordinary way to stop serving
-    finally:
-        cb_logger.removeHandler(evictions)
-        for h, level in quiet:
-            h.setLevel(level)
-        if instrumentor.is_instrumented_by_opentelemetry:
-            instrumentor.uninstrument()
-        handle.shutdown()
+            rng = random.Random(args.seed)
+            inputs = [[rng.randrange(1, 512) for _ in range(rng.randint(8, 40))] for _ in range(args.requests)]
+            t0 = time.perf_counter()
+            outputs = model.generate_batch(
+                inputs=inputs,
+                generation_config=GenerationConfig(
+                    max_new_tokens=MAX_NEW_TOKENS, do_sample=False, eos_token_id=-1, pad_token_id=0
+                ),
+                continuous_batching_config=ContinuousBatchingConfig(
+                    page_size=16,
+                    num_blocks=args.kv_blocks,
+                    max_batch_tokens=128,
+                    max_requests_per_batch=16,
+                    allow_block_sharing=False,
+                ),
+                warmup=False,
+            )
+            elapsed = time.perf_counter() - t0
+            instrumentor.uninstrument()  # the telemetry applies what is pending; the providers stay ours
+            handle.force_flush()
+            histogram_name = BY_KEY["request_num_preemptions"].name(config.naming)
+            histogram = PreemptionHistogram.from_point(_histogram_point(reader, histogram_name))
+            tokens = sum(len(o.generated_tokens) for o in outputs.values())
+            agrees = histogram.count == len(outputs) == len(
+                traces.by_request
+            ) and histogram.sum == evictions.count == sum(c for c, _ in traces.by_request.values())
+            thrashing = sum(c >= THRASHING for c, _ in traces.by_request.values())
+            print(
+                f"otel-llm demo: transformers continuous batching, {args.kv_blocks} KV blocks x 16 tokens, "
+                f"{MAX_NEW_TOKENS} new tokens per request, seed {args.seed}"
+            )
+            print_fields(
+                [
+                    ("requests", histogram.count),
+                    ("output tokens", tokens),
+                    ("wall time", f"{elapsed:.1f} s"),
+                    ("tokens/s", f"{tokens / elapsed:.0f}"),
+                    ("preemptions", int(histogram.sum)),
+                    ("thrashing", f"{thrashing} requests with {THRASHING}+ preemptions"),
+                    ("ground truth", "telemetry equals the engine" if agrees else "MISMATCH with the engine"),
+                ]
+            )
+            print()
+            print_chart(histogram_name, histogram)
+            print()
+            print_worst(traces.by_request, args.top)
+            print(flush=True)
+            if args.serve_seconds > 0:
+                url = f"http://{args.prometheus_host}:{handle.prometheus_port}/metrics"
+                print(f"serving {url} for {args.serve_seconds:g} s")
+                try:
+                    threading.Event().wait(args.serve_seconds)
+                except KeyboardInterrupt:
+                    pass  # the ordinary way to stop serving
+        except Stopped:
+            in_flight = 0
+            for telemetry in instrumentor.telemetry.values():
+                telemetry.flush()
+                in_flight += len(telemetry.tracker.inflight)
+            print(
+                f"otel-llm demo: stopped by SIGTERM mid-batch, {in_flight} requests in flight cut short; "
+                "flushing the telemetry",
+                file=sys.stderr,
+                flush=True,
+            )
+            return EXIT_STATUS
+        finally:
+            cb_logger.removeHandler(evictions)
+            for h, level in quiet:
+                h.setLevel(level)
+            if instrumentor.is_instrumented_by_opentelemetry:
+                instrumentor.uninstrument()
+            handle.shutdown()
     return 0 if agrees else 1

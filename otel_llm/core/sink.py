@@ -171,9 +171,14 @@ class RequestSink:
         if span is not None:
             self.spans.end(span, summary, extra)  # type: ignore[union-attr]  # a span implies self.spans
 
-    def summary_finished(self, summary: RequestSummary, carrier: Any, metrics: bool) -> None:
+    def summary_finished(self, summary: RequestSummary, carrier: Any, metrics: bool, span: bool = True) -> None:
         """A request known only by its summary: its span (from arrival to finish, with the
-        preemptions the summary lists) and, unless ``metrics`` is False, its observations."""
+        preemptions the summary lists) unless ``span`` is False, and, unless ``metrics`` is
+        False, its observations."""
+        if not span:
+            if metrics:
+                self.metrics.finished(summary, self.spanless_exemplar, EMPTY_CONTEXT)
+            return
         span, exemplar, ctx = self._open_span(summary.request_id, summary.arrival_time, summary.max_tokens, carrier, {})
         for ordinal, (ts, tokens, reason) in enumerate(summary.preemptions, 1):
             self._preemption_event(summary.request_id, span, ordinal, ts, tokens, reason)

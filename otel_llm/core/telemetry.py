@@ -33,7 +33,7 @@ from otel_llm.recording.in_process import InProcessRecorder
 from otel_llm.recording.recorder import Recorder
 from otel_llm.recording.sdk import SdkRecorder
 from otel_llm.recording.views import provider_has_views
-from otel_llm.summary import RequestSummary
+from otel_llm.summary import SHUTDOWN, RequestSummary
 from otel_llm.tracing.log_events import LogEvents
 from otel_llm.tracing.spans import request_spans
 
@@ -164,14 +164,15 @@ class EngineTelemetry:
     # -- for adapters whose engine hands over derived stats (vLLM) -----------------------
 
     def record_finished(
-        self, summary: RequestSummary, trace_context: Optional[Any] = None, metrics: bool = True
+        self, summary: RequestSummary, trace_context: Optional[Any] = None, metrics: bool = True, span: bool = True
     ) -> None:
         """Per-request histograms, ``request_success`` and one span, from a finished request;
         ``trace_context``: the caller's W3C carrier (``traceparent``), parent of the span;
-        ``metrics=False``: the span only (a request the engine's own metrics do not count)."""
+        ``metrics=False``: the span only (a request the engine's own metrics do not count);
+        ``span=False``: the metrics only (a request whose span was already ended)."""
         try:
             with self.metrics.lock:
-                self._sink.summary_finished(summary, trace_context, metrics)
+                self._sink.summary_finished(summary, trace_context, metrics, span)
         except Exception:  # noqa: BLE001 - never into the engine
             self._sink.internal_error(summary)
 
@@ -215,7 +216,7 @@ class EngineTelemetry:
             self._closed = True
             for req in self.tracker.drain():
                 if req.span is not None:
-                    self.spans.abandon(req.span, None, "shutdown")  # type: ignore[union-attr]  # a req.span implies self.spans
+                    self.spans.abandon(req.span, None, SHUTDOWN)  # type: ignore[union-attr]  # a req.span implies self.spans
             self._sink.spans = None
 
 

@@ -142,6 +142,10 @@ class RequestSpans:
             attributes["gen_ai.request.max_tokens"] = summary.max_tokens
         if summary.finish_reason == "error":
             attributes["error.type"] = ERROR_TYPE
+        if summary.error_type is not None:
+            attributes["error.type"] = summary.error_type
+        if summary.incomplete is not None:
+            attributes["llm.request.incomplete"] = summary.incomplete
         for name, value in (
             ("llm.request.queue_time", summary.queue_time),
             ("llm.request.time_to_first_token", summary.ttft),
@@ -159,6 +163,8 @@ class RequestSpans:
 
     @staticmethod
     def _end_status(summary: RequestSummary) -> Status:
+        if summary.incomplete is not None:
+            return Status(StatusCode.ERROR, f"request cut short: {summary.incomplete}")
         return Status(StatusCode.ERROR, "finish_reason=error") if summary.finish_reason == "error" else _UNSET
 
     @staticmethod

@@ -154,3 +154,57 @@ def test_general_plugin_entry_point_installs_only_when_enabled(monkeypatch):
     finally:
         vllm_deep_hook.uninstall()
     assert not hasattr(IterationStats.update_from_events, "__wrapped__")
+
+
+@pytest.mark.parametrize("fault", ["shutdown", "engine_dead"])
+def test_requests_in_flight_when_vllm_stops_or_its_engine_dies_get_one_span_each(otel, vllm_config, monkeypatch, fault):
+    """Stopped mid-script: the requests in flight end with what was known (their preemptions so
+    far, their tokens), marked with why; those that finished keep their ordinary span; nothing is
+    counted in vLLM's metrics for them, and a later abort of the same requests adds nothing."""
+    monkeypatch.setenv("OTEL_LLM_VLLM_DEEP_HOOK", "1")
+    o = otel()
+    manager, ours = _manager(vllm_config)
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    script = build(default_specs(), time.monotonic(), time.time())
+    steps = 12
+    processor = run(manager, {0: script}, steps=steps)
+    in_flight = sorted(processor.request_states)
+    finished = sorted(s.rid for s in script.specs if s.rid not in in_flight and s.arrive < steps)
+    assert in_flight and finished  # the cut falls mid-load
+    if fault == "shutdown":
+        llm = AsyncLLM.__new__(AsyncLLM)  # only what AsyncLLM.shutdown reads
+        llm.output_processor = processor
+        llm.shutdown()
+    else:
+        errors = []
+        for state in processor.request_states.values():
+            state.queue = type("Stream", (), {"put": staticmethod(errors.append)})()  # a generate() stream
+        processor.propagate_error(EngineDeadError())
+        assert len(errors) == len(in_flight)  # vLLM's own propagation still ran
+    processor.abort_requests(in_flight, internal=True)  # as vLLM's streams do as they end
+    ours.log()  # a later stat-logger call finds nothing more to end
+
+    spans = _spans_by_request(o)
+    assert sorted(spans) == sorted(in_flight + finished)
+    tel = ours.telemetry[0]
+    for rid in finished:
+        assert "llm.request.incomplete" not in spans[rid].attributes
+    for rid in in_flight:
+        span = spans[rid]
+        seen = [o for step, outs in script.outputs.items() if step < steps for o in outs if o.rid == rid]
+        preempted_so_far = [ts for o in seen for name, ts in o.events if name == "PREEMPTED"]
+        events = [e for e in span.events if e.name == "preempted"]
+        assert [e.timestamp for e in events] == [tel.spans.wall_ns(ts) for ts in preempted_so_far]
+        assert span.attributes["llm.request.num_preemptions"] == len(preempted_so_far)
+        assert span.attributes["gen_ai.usage.output_tokens"] == len(seen)
+        assert span.attributes["llm.request.incomplete"] == fault
+        assert span.status.status_code.name == "ERROR"
+        if fault == "engine_dead":
+            assert span.attributes["error.type"] == "EngineDeadError"
+            assert span.attributes["gen_ai.response.finish_reasons"] == ("error",)
+        else:
+            assert span.attributes["gen_ai.response.finish_reasons"] == ("abort",)
+    success = otel_samples(o.reader, {"vllm:request_success"})
+    assert sum(v for (name, _), v in success.items() if name == "vllm:request_success_total") == len(finished)

@@ -12,11 +12,13 @@ import os
 import time
 from typing import Any, Iterable, Optional
 
+from otel_llm.catalogue import drops
 from otel_llm.catalogue.metrics import METRICS, request_token_buckets
 from otel_llm.config.settings import TelemetryConfig
 from otel_llm.core.telemetry import EngineTelemetry
 from otel_llm.integrations.vllm import handle as shared_handle
 from otel_llm.integrations.vllm.fields import MISSING, FieldReader
+from otel_llm.summary import ENGINE_DEAD
 
 _log = logging.getLogger("otel_llm.integrations.vllm")  # one logger for the vLLM adapter, whichever module logs
 
@@ -112,6 +114,7 @@ class VllmAdapter:
 
         if vllm_deep_hook.enabled() and vllm_deep_hook.install():
             self._deep_hook = vllm_deep_hook
+            vllm_deep_hook.listen(self.record_ended)
 
     def _vllm_facing_reader(self) -> list[Any]:
         from vllm.v1.metrics.prometheus import get_prometheus_registry
@@ -197,29 +200,35 @@ class VllmAdapter:
         if tel is None:
             return
         offset = time.time() - time.monotonic()
-        self.record_aborted()
+        self.record_ended()
         if iteration_stats is not None:
             self._record_iteration(tel, iteration_stats, offset)
         if scheduler_stats is not None or iteration_stats is not None:
             self._record_step(tel, idx, scheduler_stats, iteration_stats, offset)
 
-    def record_aborted(self) -> None:
-        """A span for each request the deep hook saw aborted; no metric: vLLM counts none."""
+    def record_ended(self) -> None:
+        """A span for each request the deep hook saw end without vLLM's FinishedRequestStats
+        (aborted, cut short by a shutdown or a dead engine); no metric: vLLM counts none."""
         hook = self._deep_hook
-        if hook is None or not hook.aborted:
+        if hook is None or not (hook.ended or hook.lost[0]):
             return
         tel = self._engine(min(self.telemetry, default=0))
+        if tel is None:
+            return
+        lost, hook.lost[0] = hook.lost[0], 0
+        if lost:
+            tel.count_dropped(drops.EVICTED, lost)
         offset = time.time() - time.monotonic()
-        while hook.aborted:
+        while hook.ended:
             try:
-                a = hook.aborted.popleft()
+                a = hook.ended.popleft()
             except IndexError:  # drained by another thread
                 return
-            finish = a.abort_time - offset
+            finish = a.end_time - offset
             preemptions = tuple((ts, 0, DEFAULT_PREEMPTION_REASON) for ts in a.trace.preempted_at)
             summary = _summary_class()(
                 request_id=a.request_id,
-                finish_reason="abort",
+                finish_reason="error" if a.incomplete == ENGINE_DEAD else "abort",
                 arrival_time=a.arrival_time - offset,
                 finish_time=finish,
                 prompt_tokens=a.prompt_tokens,
@@ -228,6 +237,8 @@ class VllmAdapter:
                 num_preemptions=len(preemptions),
                 preempted_time=a.trace.preempted_time(finish),
                 preemptions=preemptions,
+                incomplete=a.incomplete,
+                error_type=a.error_type,
             )
             tel.record_finished(summary, a.trace.carrier, metrics=False)
 
@@ -322,7 +333,9 @@ class VllmAdapter:
             deep = self._deep_hook.trace_of(f) if self._deep_hook is not None else None
             summary = self._summary(f, finish_time, offset, deep)
             if summary is not None:
-                tel.record_finished(summary, deep.carrier if deep is not None else None)
+                # A request the deep hook already ended (cut short at shutdown) keeps its one span.
+                span = deep is None or not deep.ended
+                tel.record_finished(summary, deep.carrier if deep is not None else None, span=span)
 
     def _summary(self, f: Any, finish_time: float, offset: float, deep: Any) -> Any:
         """The RequestSummary of one of vLLM's FinishedRequestStats; ``deep``: what the deep hook

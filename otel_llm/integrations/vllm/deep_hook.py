@@ -19,10 +19,16 @@ wrapper of ``AsyncLLM.add_request`` holds the headers in a context variable whil
 the request, and a wrapper of ``OutputProcessor.add_request`` (called in the same task) stores
 them in the request's trace, so that the request span is a child of the caller's span.
 
-And it sees aborted requests (a client that disconnects), which vLLM never hands to its stat
-loggers nor counts in ``request_success``: a wrapper of ``OutputProcessor.abort_requests``
-queues what it knew of each (:class:`AbortedRequest`, at most :data:`MAX_ABORTED` waiting), and
-the stat logger gives each a span with finish reason ``abort``, leaving the metrics as vLLM's.
+And it sees the requests that end without ``FinishedRequestStats``, which vLLM never hands to
+its stat loggers nor counts in ``request_success``: a wrapper of
+``OutputProcessor.abort_requests`` (a client that disconnects), one of ``AsyncLLM.shutdown``
+(every request still in flight when vLLM stops: ``incomplete="shutdown"``) and one of
+``OutputProcessor.propagate_error`` (every request in flight when the engine core died:
+``incomplete="engine_dead"``, with the exception's type) queue what was known of each
+(:class:`EndedRequest`, at most :data:`MAX_ENDED` waiting; more are counted as lost), and the
+stat logger gives each a span, leaving the metrics as vLLM's. After a shutdown or an engine
+death no engine step comes to record them: the wrapper calls the stat loggers' listeners
+(:func:`listen`) at once. A request is ended once: its trace is marked when its span is made.
 
 Guards: the vLLM version must be in the accepted range (``>= 0.10, < 0.34``; tested on 0.32.0 serving and 0.33.0;
 ``=force`` skips the version check) and both targets must have the expected parameters. When it cannot attach, it
@@ -40,7 +46,10 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable, Optional
+import weakref
+from typing import Any, Callable, Iterable, Optional
+
+from otel_llm.summary import ENGINE_DEAD, SHUTDOWN
 
 _log = logging.getLogger(__name__)
 
@@ -51,7 +60,7 @@ _MARK = "__otel_llm_deep_hook__"
 # vLLM's EngineCoreEventType values (IntEnum): QUEUED=1, SCHEDULED=2, PREEMPTED=3.
 QUEUED, SCHEDULED, PREEMPTED = 1, 2, 3
 
-MAX_ABORTED = 4096
+MAX_ENDED = 4096
 _lock = threading.Lock()
 _state: dict[str, Any] = {"installed": False, "failed": None, "originals": []}
 # The trace headers of the request being added, from AsyncLLM.add_request to OutputProcessor.add_request.
@@ -83,13 +92,14 @@ def register() -> None:
 class RequestTrace:
     """What the hook saw of one request: its engine-core events, arrival time and TTFT."""
 
-    __slots__ = ("events", "arrival_time", "first_token_latency", "carrier")
+    __slots__ = ("events", "arrival_time", "first_token_latency", "carrier", "ended")
 
     def __init__(self) -> None:
         self.events: list[tuple[int, float]] = []  # (EngineCoreEventType value, monotonic ts)
         self.arrival_time: Optional[float] = None  # wall clock (vLLM frontend)
         self.first_token_latency: Optional[float] = None
         self.carrier: Optional[dict] = None  # the caller's traceparent / tracestate
+        self.ended = False  # its span is made (or queued to be): no second one
 
     @property
     def preempted_at(self) -> tuple[float, ...]:
@@ -111,30 +121,41 @@ class RequestTrace:
         return total
 
 
-class AbortedRequest:
-    """An aborted request as the output processor knew it (wall-clock times)."""
+class EndedRequest:
+    """A request that ended without ``FinishedRequestStats``, as the output processor knew it
+    (wall-clock times): aborted (``incomplete`` None), or cut short by vLLM's shutdown or by the
+    death of its engine core."""
 
     __slots__ = (
         "request_id",
         "arrival_time",
-        "abort_time",
+        "end_time",
         "prompt_tokens",
         "max_tokens",
         "generation_tokens",
         "trace",
+        "incomplete",
+        "error_type",
     )
 
-    def __init__(self, req_state: Any) -> None:
+    def __init__(self, req_state: Any, incomplete: Optional[str] = None, error_type: Optional[str] = None) -> None:
         stats = getattr(req_state, "stats", None)
         self.request_id = str(getattr(req_state, "external_req_id", None) or getattr(req_state, "request_id", ""))
-        self.abort_time = time.time()
+        self.end_time = time.time()
         arrival = getattr(stats, "arrival_time", None)
-        self.arrival_time = arrival if isinstance(arrival, (int, float)) and arrival > 0 else self.abort_time
+        self.arrival_time = arrival if isinstance(arrival, (int, float)) and arrival > 0 else self.end_time
         self.prompt_tokens = _count(getattr(req_state, "prompt_len", 0))
         self.max_tokens = _count(getattr(req_state, "max_tokens_param", 0))
         self.generation_tokens = _count(getattr(stats, "num_generation_tokens", 0))
         trace = getattr(stats, TRACE_ATTR, None)
-        self.trace = trace if isinstance(trace, RequestTrace) else RequestTrace()
+        if not isinstance(trace, RequestTrace):
+            trace = RequestTrace()
+            if stats is not None:
+                setattr(stats, TRACE_ATTR, trace)
+        trace.ended = True
+        self.trace = trace
+        self.incomplete = incomplete
+        self.error_type = error_type
 
 
 def _count(value: Any) -> int:
@@ -142,7 +163,38 @@ def _count(value: Any) -> int:
 
 
 # Filled by the output processor's thread, drained by the stat logger (deque appends and pops are atomic).
-aborted: "collections.deque[AbortedRequest]" = collections.deque(maxlen=MAX_ABORTED)
+ended: "collections.deque[EndedRequest]" = collections.deque(maxlen=MAX_ENDED)
+lost = [0]  # requests pushed out of a full ``ended`` before a stat logger took them
+# Called when requests are ended with no engine step to come (shutdown, a dead engine).
+_listeners: "list[weakref.WeakMethod]" = []
+
+
+def listen(callback: Callable[[], None]) -> None:
+    """Call the bound method ``callback`` (a stat logger's) whenever requests were ended and no
+    engine step will come to record them; held weakly."""
+    _listeners.append(weakref.WeakMethod(callback))
+
+
+def _end(states: Iterable[Any], incomplete: Optional[str] = None, error_type: Optional[str] = None) -> None:
+    for state in states:
+        trace = getattr(getattr(state, "stats", None), TRACE_ATTR, None)
+        if isinstance(trace, RequestTrace) and trace.ended:
+            continue
+        if len(ended) == MAX_ENDED:
+            lost[0] += 1
+        ended.append(EndedRequest(state, incomplete, error_type))
+
+
+def _notify() -> None:
+    for ref in list(_listeners):
+        callback = ref()
+        if callback is None:
+            _listeners.remove(ref)
+            continue
+        try:
+            callback()
+        except Exception:  # noqa: BLE001 - one logger's failure must not stop vLLM's shutdown
+            _log.exception("otel-llm deep hook: recording the requests cut short failed")
 
 
 def trace_of(finished_stats: Any) -> Optional[RequestTrace]:
@@ -354,14 +406,39 @@ def _install_trace_context_capture(warn_once: Callable[[str, BaseException], Non
         before = dict(self.request_states)
         result = abort(self, *args, **kwargs)
         try:
-            aborted.extend(AbortedRequest(state) for rid, state in before.items() if rid not in self.request_states)
+            _end(state for rid, state in before.items() if rid not in self.request_states)
         except Exception as exc:  # noqa: BLE001 - never into vLLM's abort path
             warn_once("keeping aborted requests", exc)
         return result
 
+    propagate = OutputProcessor.propagate_error
+
+    def propagate_error(self: Any, e: Any, *args: Any, **kwargs: Any) -> Any:
+        # Before vLLM's: it hands the error to every request's stream, which then ends.
+        try:
+            _end(list(self.request_states.values()), ENGINE_DEAD, type(e).__name__)
+            _notify()
+        except Exception as exc:  # noqa: BLE001 - never into vLLM's error path
+            warn_once("keeping the requests of a dead engine", exc)
+        return propagate(self, e, *args, **kwargs)
+
+    shutdown = AsyncLLM.shutdown
+
+    def shutdown_llm(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            processor = getattr(self, "output_processor", None)
+            if processor is not None:
+                _end(list(processor.request_states.values()), SHUTDOWN)
+            _notify()
+        except Exception as exc:  # noqa: BLE001 - never into vLLM's shutdown
+            warn_once("keeping the requests in flight at shutdown", exc)
+        return shutdown(self, *args, **kwargs)
+
     _wrap(AsyncLLM, "add_request", add_request)
     _wrap(OutputProcessor, "add_request", add_to_processor)
     _wrap(OutputProcessor, "abort_requests", abort_requests)
+    _wrap(OutputProcessor, "propagate_error", propagate_error)
+    _wrap(AsyncLLM, "shutdown", shutdown_llm)
     return None
 
 

@@ -138,7 +138,7 @@ def _make_adding_class() -> type:
             # Metrics are pulled by readers / pushed by the periodic exporter; vLLM calls this
             # every few seconds, also when no request runs: spans of aborted requests go out.
             if self._impl is not None:
-                self._impl.record_aborted()
+                self._impl.record_ended()
 
         @_guard
         def record_sleep_state(self, *args: Any, **kwargs: Any) -> None:

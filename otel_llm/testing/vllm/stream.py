@@ -148,16 +148,18 @@ def scheduler_stats(script: Script, step: int, outs: list[Output]) -> Any:
     )
 
 
-def run(manager: Any, streams: dict[int, Script]) -> None:
+def run(manager: Any, streams: dict[int, Script], steps: Optional[int] = None) -> Any:
     """Drive the scripts of several engines (engine index -> script) through one real
-    OutputProcessor and ``manager.record`` (as AsyncLLM's output handler does)."""
+    OutputProcessor and ``manager.record`` (as AsyncLLM's output handler does); only the first
+    ``steps`` steps if given, the requests still in flight then left in the processor, which is
+    returned."""
     from vllm.v1.engine.output_processor import OutputProcessor
     from vllm.v1.metrics.stats import IterationStats
 
     processor = OutputProcessor(None, log_stats=True)
     specs = {idx: {s.rid: s for s in script.specs} for idx, script in streams.items()}
     last = max(script.last_step for script in streams.values())
-    for step in range(last + 1):
+    for step in range(last + 1 if steps is None else steps):
         for idx, script in streams.items():
             for spec in script.specs:
                 if spec.arrive == step:
@@ -175,7 +177,8 @@ def run(manager: Any, streams: dict[int, Script]) -> None:
                 manager.record(
                     engine_idx=idx, scheduler_stats=sched, iteration_stats=iteration_stats, mm_cache_stats=None
                 )
-    assert not processor.has_unfinished_requests()
+    assert steps is not None or not processor.has_unfinished_requests()
+    return processor
 
 
 # Requests with 0, 1, 2 and 7 preemptions (in prefill and in decode), finishes by length,

@@ -1,0 +1,268 @@
+"""Faults on vLLM's real engine: whatever ends a request, it has exactly one span, and the last
+numbers reach the collector.
+
+Each case starts a server (the plugin with the deep hook, spans and metrics over OTLP/gRPC to a
+loopback receiver, export intervals of a minute so that only the flush at exit can deliver),
+streams 64 requests of 200 tokens with a ``traceparent`` each, and injects the fault once 24 of
+them are streaming: SIGTERM to the API server (what an orchestrator sends), or SIGKILL to the
+engine-core process (an OOM kill). The loss this guards against was intermittent, so each fault
+runs more than once, once with a busy process beside the server. After the server has exited:
+exactly one span per request that streamed, none twice, each in its caller's trace; the requests
+that finished are ordinary spans, the others are marked with why they were cut short; the final
+metric export counts every request that finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import pytest
+
+from otel_llm.testing.vllm.server import MODEL_NAME, VllmServer, traceparent
+from tests.support.backends import OtlpSink, start_otlp_sink
+
+REQUESTS, MAX_TOKENS, STREAMING_AT_FAULT = 64, 200, 24
+EXIT_BOUND_S = 120  # vLLM's own shutdown and our flush (10 s per stage) on a loaded machine
+
+
+@dataclass
+class Stream:
+    index: int
+    trace_id: str
+    parent_id: str
+    chunks: int = 0
+    finish_reason: Optional[str] = None  # as the client saw it: "abort" when vLLM's shutdown ended it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason == "length"
+
+
+@dataclass
+class Outcome:
+    streams: list[Stream]
+    spans: list[Any]
+    success_total: Optional[int]
+    instances: set[str] = field(default_factory=set)
+    log: str = ""
+
+
+def _attrs(span: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for a in span.attributes:
+        kind = a.value.WhichOneof("value")
+        value = getattr(a.value, kind)
+        out[a.key] = [x.string_value for x in value.values] if kind == "array_value" else value
+    return out
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
+def _engine_cores(pid: int) -> list[int]:
+    """The engine-core processes under ``pid`` (vLLM names them ``VLLM::EngineCore``)."""
+    cores, todo = [], [pid]
+    while todo:
+        for child in _children(todo.pop()):
+            todo.append(child)
+            try:
+                if "EngineCore" in Path(f"/proc/{child}/cmdline").read_text(errors="replace"):
+                    cores.append(child)
+            except OSError:
+                continue
+    return cores
+
+
+async def _stream(session: Any, url: str, stream: Stream, started: asyncio.Event, counter: list[int]) -> None:
+    import aiohttp
+
+    header = f"00-{stream.trace_id}-{stream.parent_id}-01"
+    body = {
+        "model": MODEL_NAME,
+        "prompt": [3 + (stream.index * 7 + k) % 60 for k in range(8 + stream.index % 40)],
+        "max_tokens": MAX_TOKENS,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    try:
+        async with session.post(f"{url}/v1/completions", json=body, headers={"traceparent": header}) as response:
+            async for line in response.content:
+                if not line.startswith(b"data: {"):
+                    continue
+                choices = json.loads(line[6:]).get("choices")
+                if not choices:
+                    continue  # an error event: vLLM ends the stream with it
+                stream.chunks += 1
+                if stream.chunks == 1:
+                    counter[0] += 1
+                    if counter[0] >= STREAMING_AT_FAULT:
+                        started.set()
+                stream.finish_reason = choices[0].get("finish_reason") or stream.finish_reason
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        pass  # the fault ends the stream
+
+
+async def _load_with_fault(url: str, fault: Any) -> list[Stream]:
+    import aiohttp
+
+    streams = []
+    for i in range(REQUESTS):
+        _, trace_id, parent_id = traceparent(i, seed=23)
+        streams.append(Stream(i, trace_id, parent_id))
+    started, counter = asyncio.Event(), [0]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=EXIT_BOUND_S * 3)) as session:
+        tasks = [asyncio.create_task(_stream(session, url, s, started, counter)) for s in streams]
+        await asyncio.wait_for(started.wait(), EXIT_BOUND_S * 3)
+        fault()
+        await asyncio.wait_for(asyncio.gather(*tasks), EXIT_BOUND_S)
+    return streams
+
+
+def _instance(resource: Any) -> str:
+    return next((a.value.string_value for a in resource.attributes if a.key == "service.instance.id"), "")
+
+
+def _last_success_totals(sink: OtlpSink) -> dict[str, int]:
+    """Per process: ``vllm:request_success`` summed over its series, in its last export."""
+    last: dict[str, int] = {}
+    with sink.lock:
+        requests = list(sink.metrics)
+    for req in requests:
+        for rm in req.resource_metrics:
+            for sm in rm.scope_metrics:
+                for m in sm.metrics:
+                    if m.name == "vllm:request_success":
+                        last[_instance(rm.resource)] = sum(int(p.as_int) for p in m.sum.data_points)
+    return last
+
+
+def _run(tiny_model: Path, fault: str, args: list[str], busy: bool) -> Outcome:
+    with start_otlp_sink("grpc") as sink:
+        env = {
+            "OTEL_METRICS_EXPORTER": "otlp",
+            "OTEL_TRACES_EXPORTER": "otlp",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint,
+            "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+            "OTEL_BSP_SCHEDULE_DELAY": "60000",
+            "OTEL_METRIC_EXPORT_INTERVAL": "60000",
+            "OTEL_LLM_VLLM_DEEP_HOOK": "1",
+        }
+        burner = None
+        with VllmServer(tiny_model, env=env, args=args, cli=bool(args)) as server:
+            assert server.proc is not None
+            pid = server.proc.pid
+
+            def inject() -> None:
+                if fault == "sigterm":
+                    os.kill(pid, signal.SIGTERM)
+                else:
+                    cores = _engine_cores(pid)
+                    assert cores, "no engine-core process found"
+                    os.kill(cores[0], signal.SIGKILL)
+
+            if busy:
+                burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            try:
+                streams = asyncio.run(_load_with_fault(server.url, inject))
+                if fault != "sigterm":
+                    # vLLM stops serving once its engine died; the orchestrator's SIGTERM follows.
+                    os.kill(pid, signal.SIGTERM)
+                server.proc.wait(EXIT_BOUND_S)
+            finally:
+                if burner is not None:
+                    burner.kill()
+                    burner.wait()
+            log = server.log_text()
+        spans = [s for s in sink.spans() if s.name == "llm_request"]
+        totals = _last_success_totals(sink)
+        instances = {_instance(rs.resource) for req in list(sink.traces) for rs in req.resource_spans}
+        return Outcome(streams, spans, sum(totals.values()) if totals else None, instances | set(totals), log)
+
+
+CASES = [
+    pytest.param(("sigterm", [], False), id="sigterm"),
+    pytest.param(("sigterm", [], True), id="sigterm-busy"),
+    pytest.param(("engine-kill", [], False), id="engine-kill"),
+    pytest.param(("engine-kill", [], True), id="engine-kill-busy"),
+    pytest.param(("sigterm", ["--api-server-count", "2"], False), id="sigterm-api-server-count-2"),
+    pytest.param(("engine-kill", ["--data-parallel-size", "2"], False), id="engine-kill-data-parallel-2"),
+]
+
+
+@pytest.fixture(scope="module", params=CASES)
+def outcome(request: Any, tiny_model: Path) -> Iterator[tuple[str, list[str], Outcome]]:
+    fault, args, busy = request.param
+    yield fault, args, _run(tiny_model, fault, args, busy)
+
+
+def test_one_span_per_request_that_streamed_each_in_its_callers_trace(outcome: Any) -> None:
+    _, _, o = outcome
+    by_trace = Counter(s.trace_id.hex() for s in o.spans)
+    assert all(n == 1 for n in by_trace.values()), f"a request has two spans: {by_trace.most_common(3)}"
+    ours = {s.trace_id: s for s in o.streams}
+    assert set(by_trace) <= set(ours), "a span outside the load"
+    streamed = [s for s in o.streams if s.chunks]
+    assert len(streamed) >= STREAMING_AT_FAULT
+    missing = [s.index for s in streamed if s.trace_id not in by_trace]
+    assert not missing, f"{len(missing)} of {len(streamed)} requests that streamed have no span\n{o.log[-3000:]}"
+    for span in o.spans:
+        assert span.parent_span_id.hex() == ours[span.trace_id.hex()].parent_id
+
+
+def test_finished_requests_are_ordinary_spans_the_rest_say_why_they_were_cut_short(outcome: Any) -> None:
+    fault, args, o = outcome
+    by_trace = {s.trace_id.hex(): s for s in o.spans}
+    cut_short = 0
+    for stream in o.streams:
+        span = by_trace.get(stream.trace_id)
+        if span is None:
+            continue
+        a = _attrs(span)
+        events = [e for e in span.events if e.name == "preempted"]
+        assert len(events) == a["llm.request.num_preemptions"]
+        assert [dict((x.key, x.value.int_value) for x in e.attributes)["ordinal"] for e in events] == list(
+            range(1, len(events) + 1)
+        )
+        if "llm.request.incomplete" not in a:
+            assert a["gen_ai.usage.output_tokens"] == MAX_TOKENS, "an unmarked span is a finished request"
+            assert span.status.code != span.status.STATUS_CODE_ERROR
+            continue
+        assert not stream.finished, "a request the client saw finish is marked incomplete"
+        cut_short += 1
+        assert span.status.code == span.status.STATUS_CODE_ERROR
+        assert a["gen_ai.usage.output_tokens"] >= stream.chunks - 1  # the last chunk may be vLLM's only
+        if fault == "sigterm":
+            assert a["llm.request.incomplete"] == "shutdown"
+            assert a["gen_ai.response.finish_reasons"] == ["abort"]
+        else:
+            assert a["llm.request.incomplete"] == "engine_dead"
+            assert a["error.type"] == "EngineDeadError"
+    assert cut_short > 0, "the fault cut no request short: it came too late to test anything"
+
+
+def test_final_metric_export_counts_every_request_that_finished(outcome: Any) -> None:
+    _, args, o = outcome
+    finished_spans = sum("llm.request.incomplete" not in _attrs(s) for s in o.spans)
+    assert o.success_total == finished_spans
+    assert o.success_total >= sum(s.finished for s in o.streams)
+    if "--api-server-count" in args or "--data-parallel-size" in args:
+        assert len(o.instances) == 2, "each API-server process flushes its own"
