@@ -29,10 +29,12 @@ TORCH_MISSING = "pip install 'otel-llm[engine]' (torch==2.13.0 first for the CPU
 
 
 class RequestTraces(SpanProcessor):
-    """Keeps each finished request span's trace id and preemption count, by request id."""
+    """Keeps each finished request span's trace id and preemption count, by request id, and
+    counts the requests that ran to their end (finish reason ``stop`` or ``length``)."""
 
     def __init__(self) -> None:
         self.by_request: dict[str, tuple[int, str]] = {}
+        self.completed = 0
 
     def on_end(self, span: ReadableSpan) -> None:
         attributes = span.attributes or {}
@@ -40,6 +42,8 @@ class RequestTraces(SpanProcessor):
         if span.name == "llm_request" and request_id is not None and span.context is not None:
             count = int(attributes.get("llm.request.num_preemptions", 0))  # type: ignore[arg-type]  # an attribute value: the int the telemetry set
             self.by_request[str(request_id)] = (count, format(span.context.trace_id, "032x"))
+            if set(attributes.get("gen_ai.response.finish_reasons", ())) <= {"stop", "length"}:  # type: ignore[arg-type]  # an attribute value: the tuple the telemetry set
+                self.completed += "llm.request.incomplete" not in attributes
 
 
 def _histogram_point(reader: InMemoryMetricReader, name: str) -> Any:

@@ -311,7 +311,10 @@ class _Handler(BaseHTTPRequestHandler):
         if encoding:
             self.send_header("Content-Encoding", encoding)
         self.end_headers()
-        self.wfile.write(body)
+        try:
+            self.wfile.write(body)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the scraper gave up (its timeout): nothing to answer, and no traceback on stderr
 
     def log_message(self, format: str, *args: Any) -> None:
         pass

@@ -15,4 +15,5 @@ def test_sigterm_mid_batch_ends_and_flushes_in_flight_spans() -> None:
     with start_otlp_sink("grpc") as sink:
         with Run(argv, sink.endpoint, naming="semconv") as run:
             _, err = run.proc.communicate(timeout=120)
-        check_stopped_and_flushed(run, sink, err)
+        # Interrupted, transformers' generation thread outlives its join timeout and logs a traceback.
+        check_stopped_and_flushed(run, sink, err, engine_logs_tracebacks=True)

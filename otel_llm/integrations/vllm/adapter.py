@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import sys
+import threading
 import time
 from typing import Any, Iterable, Optional
 
@@ -18,7 +20,7 @@ from otel_llm.config.settings import TelemetryConfig
 from otel_llm.core.telemetry import EngineTelemetry
 from otel_llm.integrations.vllm import handle as shared_handle
 from otel_llm.integrations.vllm.fields import MISSING, FieldReader
-from otel_llm.summary import ENGINE_DEAD
+from otel_llm.summary import ENGINE_DEAD, SHUTDOWN
 
 _log = logging.getLogger("otel_llm.integrations.vllm")  # one logger for the vLLM adapter, whichever module logs
 
@@ -114,7 +116,7 @@ class VllmAdapter:
 
         if vllm_deep_hook.enabled() and vllm_deep_hook.install():
             self._deep_hook = vllm_deep_hook
-            vllm_deep_hook.listen(self.record_ended)
+            vllm_deep_hook.listen(self.stopped)
 
     def _vllm_facing_reader(self) -> list[Any]:
         from vllm.v1.metrics.prometheus import get_prometheus_registry
@@ -241,6 +243,22 @@ class VllmAdapter:
                 error_type=a.error_type,
             )
             tel.record_finished(summary, a.trace.carrier, metrics=False)
+
+    def stopped(self) -> None:
+        """vLLM stops or its engine died: the requests ended then get their spans, and the
+        telemetry is flushed at once, on a thread of its own (vLLM's process manager may kill
+        this process a few seconds later; the flush at exit follows when it does not)."""
+        self.record_ended()
+        # Not from a finalizer at interpreter exit (vLLM's AsyncLLM.__del__ shuts it down): the
+        # flush at exit has run, and a thread started then never runs (its start() waits forever).
+        if self.handle is not None and not sys.is_finalizing():
+            threading.Thread(target=self._flush, daemon=True, name="otel-llm-flush").start()
+
+    def _flush(self) -> None:
+        try:
+            self.handle.force_flush()
+        except Exception:  # noqa: BLE001 - a flush must not raise into vLLM
+            _log.exception("otel-llm: flushing the telemetry failed")
 
     def call_series(self, method: str, *args: Any, **kwargs: Any) -> None:
         """One of vLLM's own logger methods on :class:`VllmSeries`; a failure is reported once
@@ -382,15 +400,9 @@ class VllmAdapter:
             recomputed_tokens=0,
             cached_tokens=_int(getattr(f, "num_cached_tokens", 0)) or 0,
             preemptions=preemptions,
+            # Aborted by vLLM's shutdown (in flight when it began), not by its client.
+            incomplete=SHUTDOWN if deep is not None and deep.stopping and str(reason) == "abort" else None,
         )
-
-    def shutdown(self) -> None:
-        handle = self.handle
-        if handle is not None:
-            try:
-                handle.force_flush()
-            except Exception:  # noqa: BLE001 - a flush must not raise into vLLM
-                _log.exception("otel-llm: flushing the telemetry failed")
 
 
 _summary_cls: list = []

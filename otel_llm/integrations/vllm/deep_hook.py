@@ -92,7 +92,7 @@ def register() -> None:
 class RequestTrace:
     """What the hook saw of one request: its engine-core events, arrival time and TTFT."""
 
-    __slots__ = ("events", "arrival_time", "first_token_latency", "carrier", "ended")
+    __slots__ = ("events", "arrival_time", "first_token_latency", "carrier", "ended", "stopping")
 
     def __init__(self) -> None:
         self.events: list[tuple[int, float]] = []  # (EngineCoreEventType value, monotonic ts)
@@ -100,6 +100,7 @@ class RequestTrace:
         self.first_token_latency: Optional[float] = None
         self.carrier: Optional[dict] = None  # the caller's traceparent / tracestate
         self.ended = False  # its span is made (or queued to be): no second one
+        self.stopping = False  # in flight when vLLM began to shut down: an abort then is the shutdown's
 
     @property
     def preempted_at(self) -> tuple[float, ...]:
@@ -147,15 +148,21 @@ class EndedRequest:
         self.prompt_tokens = _count(getattr(req_state, "prompt_len", 0))
         self.max_tokens = _count(getattr(req_state, "max_tokens_param", 0))
         self.generation_tokens = _count(getattr(stats, "num_generation_tokens", 0))
-        trace = getattr(stats, TRACE_ATTR, None)
-        if not isinstance(trace, RequestTrace):
-            trace = RequestTrace()
-            if stats is not None:
-                setattr(stats, TRACE_ATTR, trace)
-        trace.ended = True
-        self.trace = trace
+        self.trace = _trace_of(req_state)
+        self.trace.ended = True
         self.incomplete = incomplete
         self.error_type = error_type
+
+
+def _trace_of(req_state: Any) -> RequestTrace:
+    """The trace kept on a vLLM RequestState's stats, made there if there is none yet."""
+    stats = getattr(req_state, "stats", None)
+    trace = getattr(stats, TRACE_ATTR, None)
+    if not isinstance(trace, RequestTrace):
+        trace = RequestTrace()
+        if stats is not None:
+            setattr(stats, TRACE_ATTR, trace)
+    return trace
 
 
 def _count(value: Any) -> int:
@@ -165,20 +172,19 @@ def _count(value: Any) -> int:
 # Filled by the output processor's thread, drained by the stat logger (deque appends and pops are atomic).
 ended: "collections.deque[EndedRequest]" = collections.deque(maxlen=MAX_ENDED)
 lost = [0]  # requests pushed out of a full ``ended`` before a stat logger took them
-# Called when requests are ended with no engine step to come (shutdown, a dead engine).
+# Called when vLLM stops or its engine died: no engine step comes to record what was ended.
 _listeners: "list[weakref.WeakMethod]" = []
 
 
 def listen(callback: Callable[[], None]) -> None:
-    """Call the bound method ``callback`` (a stat logger's) whenever requests were ended and no
-    engine step will come to record them; held weakly."""
+    """Call the bound method ``callback`` (a stat logger's) when vLLM stops or its engine died,
+    so that it records the requests ended then and flushes; held weakly."""
     _listeners.append(weakref.WeakMethod(callback))
 
 
 def _end(states: Iterable[Any], incomplete: Optional[str] = None, error_type: Optional[str] = None) -> None:
     for state in states:
-        trace = getattr(getattr(state, "stats", None), TRACE_ATTR, None)
-        if isinstance(trace, RequestTrace) and trace.ended:
+        if _trace_of(state).ended:
             continue
         if len(ended) == MAX_ENDED:
             lost[0] += 1
@@ -425,14 +431,23 @@ def _install_trace_context_capture(warn_once: Callable[[str, BaseException], Non
     shutdown = AsyncLLM.shutdown
 
     def shutdown_llm(self: Any, *args: Any, **kwargs: Any) -> Any:
+        # vLLM may still finish requests while it stops (draining, or with finish reason abort):
+        # those in flight now are marked, and what is left when it has stopped is ended here.
+        processor = getattr(self, "output_processor", None)
         try:
-            processor = getattr(self, "output_processor", None)
-            if processor is not None:
-                _end(list(processor.request_states.values()), SHUTDOWN)
-            _notify()
+            for state in list(getattr(processor, "request_states", {}).values()):
+                _trace_of(state).stopping = True
         except Exception as exc:  # noqa: BLE001 - never into vLLM's shutdown
-            warn_once("keeping the requests in flight at shutdown", exc)
-        return shutdown(self, *args, **kwargs)
+            warn_once("marking the requests in flight at shutdown", exc)
+        try:
+            return shutdown(self, *args, **kwargs)
+        finally:
+            try:
+                if processor is not None:
+                    _end(list(processor.request_states.values()), SHUTDOWN)
+                _notify()
+            except Exception as exc:  # noqa: BLE001 - never into vLLM's shutdown
+                warn_once("keeping the requests in flight at shutdown", exc)
 
     _wrap(AsyncLLM, "add_request", add_request)
     _wrap(OutputProcessor, "add_request", add_to_processor)
