@@ -50,6 +50,7 @@ def test_freshest_record_over_the_processes_wins(record_path: str) -> None:
     assert not os.path.exists(record_path)
     assert first.freshest(0)[1:] == (2, 2, 0.125)  # a mapping outlives the file
     first.close()
+    assert first.freshest(0) is None  # a last collection after its own shutdown reads nothing
 
 
 def test_a_record_being_written_or_corrupt_is_skipped(record_path: str, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -106,17 +106,21 @@ class SharedRecord:
         self._seqs[slot] = seq + 1
 
     def read(self, rank: int, slot: int) -> Optional[tuple[float, ...]]:
-        """(stamp, *values) of one record; None when never written, or still being rewritten
-        after ``READ_PATIENCE_S``."""
+        """(stamp, *values) of one record; None when never written, still being rewritten after
+        ``READ_PATIENCE_S``, or no longer mapped."""
         m, off = self._map, self._offset(rank, slot)
         deadline = None
         while True:
-            before = _SEQ.unpack_from(m, off)[0]
-            if not before:
+            try:
+                before = _SEQ.unpack_from(m, off)[0]
+                if not before:
+                    return None
+                body = m[off + _SEQ.size : off + self._crc_at]
+                crc = _CRC.unpack_from(m, off + self._crc_at)[0]
+                after = _SEQ.unpack_from(m, off)[0]
+            except ValueError:  # unmapped at shutdown while a last collection reads it
                 return None
-            body = m[off + _SEQ.size : off + self._crc_at]
-            crc = _CRC.unpack_from(m, off + self._crc_at)[0]
-            if not before & 1 and _SEQ.unpack_from(m, off)[0] == before and zlib.crc32(body) == crc:
+            if not before & 1 and after == before and zlib.crc32(body) == crc:
                 return self._body.unpack(body)
             now = time.monotonic()
             deadline = deadline or now + READ_PATIENCE_S
