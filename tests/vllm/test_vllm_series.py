@@ -11,7 +11,7 @@ import time
 import urllib.request
 
 import pytest
-from samples import vllm_samples
+from samples import otel_samples, vllm_samples
 
 from otel_llm.testing.vllm.stream import build, default_specs, run
 
@@ -74,11 +74,11 @@ def _run(vllm_config, scheduler_stats):
     return _samples(generate_latest(REGISTRY).decode()), got
 
 
-def _assert_same(theirs: dict, ours: dict, families: set[str], skip_values: frozenset = frozenset()) -> None:
+def _assert_same(theirs: dict, ours: dict, families: set[str]) -> None:
     present = {name for name, _ in theirs}
     assert all(any(n.startswith(f) for n in present) for f in families), families - present
     missing = sorted(k for k in theirs if k not in ours)
-    differ = {k: (v, ours[k]) for k, v in theirs.items() if k in ours and v != ours[k] and k[0] not in skip_values}
+    differ = {k: (v, ours[k]) for k, v in theirs.items() if k in ours and v != ours[k]}
     assert not missing, missing[:10]
     assert not differ, differ
 
@@ -111,8 +111,8 @@ def test_lora_info_and_speculative_decoding_and_kv_block_metrics(plugin_endpoint
         ],
     )
     theirs, ours = _run(config, stats)
-    # lora_requests_info's value is the time of the record (set_to_current_time): vLLM's logger
-    # and ours set it microseconds apart.
+    # lora_requests_info's value is the time of vLLM's record (set_to_current_time): read from
+    # vLLM's logger, the very value.
     lora = "vllm:lora_requests_info"
     _assert_same(
         theirs,
@@ -124,7 +124,6 @@ def test_lora_info_and_speculative_decoding_and_kv_block_metrics(plugin_endpoint
             "vllm:kv_block_reuse_gap_seconds",
             lora,
         },
-        skip_values=frozenset({lora}),
     )
     assert [v for (n, _), v in theirs.items() if n == "vllm:spec_decode_num_accepted_tokens_total"] == [3.0]
     (when,) = [v for (n, labels), v in ours.items() if n == lora and ("running_lora_adapters", "adapter-a") in labels]
@@ -179,3 +178,42 @@ def test_semconv_profile_names_vllms_other_series_without_a_vllm_colon_name(otel
     assert computed.count == theirs[("vllm:request_prefill_kv_computed_tokens_count", labels)] == len(default_specs())
     assert computed.sum == theirs[("vllm:request_prefill_kv_computed_tokens_sum", labels)] > 0
     assert "vllm.prefix_cache_queries" in points and "gen_ai.server.request.duration" in points
+
+
+def test_beside_vllms_logger_its_series_are_read_not_recorded_again(otel, vllm_config, monkeypatch):
+    """vLLM's StatLoggerManager builds its own PrometheusStatLogger beside the plugin: the series
+    beyond the core are read from it (prometheus_client's registry) at collection, and the plugin
+    runs none of vLLM's logger code again per step. What vLLM's logger alone records is there,
+    with vLLM's value, histograms bucket for bucket."""
+    from prometheus_client import REGISTRY
+    from vllm.v1.metrics.loggers import PrometheusStatLogger, StatLoggerManager, load_stat_logger_plugin_factories
+
+    from otel_llm.integrations.vllm import OtelStatLogger
+
+    o = otel()
+    manager = StatLoggerManager(
+        vllm_config,
+        engine_idxs=[0],
+        custom_stat_loggers=load_stat_logger_plugin_factories(),
+        enable_default_loggers=False,
+    )
+    (ours,) = [s for s in manager.stat_loggers if isinstance(s, OtelStatLogger)]
+    (theirs,) = [s for s in manager.stat_loggers if isinstance(s, PrometheusStatLogger)]
+    series = ours._impl.series
+    assert series.source is REGISTRY
+    calls: list[str] = []
+    for method in ("record", "record_admission_rejection", "record_sleep_state", "log_engine_initialized"):
+        monkeypatch.setattr(series.logger, method, lambda *a, _m=method, **k: calls.append(_m))
+    run(manager, {0: build(default_specs("b-"), time.monotonic(), time.time())})
+    manager.log_engine_initialized()
+    manager.record_admission_rejection("max_num_queued_reqs")
+    theirs.record_admission_rejection("max_num_queued_reqs")  # vLLM's logger alone
+    assert calls == []
+    families = {"vllm:admission_rejections", "vllm:request_prefill_kv_computed_tokens", "vllm:cache_config_info"}
+    got, expected = otel_samples(o.reader, families), vllm_samples(families)
+    assert got == expected
+    model = vllm_config.model_config.served_model_name
+    rejected = frozenset({"model_name": model, "reason": "max_num_queued_reqs"}.items())
+    assert got[("vllm:admission_rejections_total", rejected)] == 2
+    labels = frozenset({"model_name": model, "engine": "0"}.items())
+    assert got[("vllm:request_prefill_kv_computed_tokens_count", labels)] == len(default_specs())

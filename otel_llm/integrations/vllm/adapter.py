@@ -34,8 +34,17 @@ class VllmAdapter:
     """The translation, independent of vLLM's base classes (so it is testable without vLLM)."""
 
     def __init__(
-        self, vllm_config: Any, engine_indexes: Iterable[int], *, handle: Any = None, replace: bool = False
+        self,
+        vllm_config: Any,
+        engine_indexes: Iterable[int],
+        *,
+        handle: Any = None,
+        replace: bool = False,
+        beside_vllm_logger: bool = False,
     ) -> None:
+        """``beside_vllm_logger``: vLLM's own PrometheusStatLogger records in this process (vLLM's
+        StatLoggerManager builds it beside every plugin that is not one): unless replacing it,
+        vLLM's series beyond the core are read from it rather than recorded again."""
         from otel_llm.integrations.vllm import replace as vllm_replace
 
         vllm_replace.mode()  # a bad OTEL_LLM_VLLM_METRICS stops here, named
@@ -110,6 +119,13 @@ class VllmAdapter:
         if self.series is not None:
             self._bind_series()
         self.gauges = _shared_gauges(vllm_config, self.series, self.telemetry)
+        if self.series is not None and beside_vllm_logger and not self.replacing and self.gauges is None:
+            # vLLM's logger has recorded these series into prometheus_client's registry: read
+            # there at collection rather than recorded again each step. Shared scheduler gauges
+            # (several API servers) publish the series' own values each step.
+            from prometheus_client import REGISTRY
+
+            self.series.read_from(REGISTRY)
         self._last_sched: dict[int, tuple[int, int, float]] = {}
         self._deep_hook = None
         from otel_llm.integrations.vllm import deep_hook as vllm_deep_hook
@@ -261,9 +277,9 @@ class VllmAdapter:
             _log.exception("otel-llm: flushing the telemetry failed")
 
     def call_series(self, method: str, *args: Any, **kwargs: Any) -> None:
-        """One of vLLM's own logger methods on :class:`VllmSeries`; a failure is reported once
-        and leaves the core telemetry untouched."""
-        if self.series is None:
+        """One of vLLM's own logger methods on :class:`VllmSeries` (none when the series are read
+        from vLLM's own logger); a failure is reported once and leaves the core telemetry untouched."""
+        if self.series is None or self.series.source is not None:
             return
         try:
             getattr(self.series.logger, method)(*args, **kwargs)

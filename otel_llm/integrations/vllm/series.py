@@ -19,6 +19,13 @@ renamed to vLLM's ``vllm:`` names by Views, which must exist when the MeterProvi
 ``setup_telemetry(config, extra_views=series.views())`` (the plugin does this itself). In the
 ``semconv`` naming profile the names are ``vllm.<name>`` and the ``model_name``/``engine``
 labels are ``gen_ai.request.model``/``llm.engine``.
+
+Beside vLLM's own logger (``add`` mode) that code need not run twice: vLLM's logger records
+every one of these series into prometheus_client's registry anyway, so after
+:meth:`VllmSeries.read_from` the instruments read them there at collection time, sample for
+sample, and nothing here runs per engine step. Where vLLM's logger is not built (``replace``
+mode), or where the API servers share the scheduler gauges, vLLM's code runs here, on
+:attr:`VllmSeries.logger`.
 """
 
 from __future__ import annotations
@@ -185,6 +192,10 @@ class VllmSeries:
     def __init__(self, vllm_config: Any, engine_indexes: Sequence[int], naming: str = "vllm") -> None:
         self.naming = naming
         self.families: dict[str, _Family] = {}
+        # A prometheus_client registry where vLLM's own logger records these series: read there
+        # at collection (read_from); None: recorded here by ``logger``.
+        self.source: Optional[Any] = None
+        self._read_cells: dict[tuple[str, tuple[tuple[str, str], ...]], HistogramCell] = {}
         # Families recorded but not exported by this process: another process reports them.
         self.withheld: set[str] = set()
         self.logger = self._build(vllm_config, list(engine_indexes))
@@ -194,6 +205,41 @@ class VllmSeries:
         self.logger.log_engine_initialized()
         for name in set(self.families) - before:
             self.families[name].children.clear()
+
+    def read_from(self, registry: Any) -> None:
+        """Export the values vLLM's own logger holds in ``registry`` (prometheus_client's global
+        ``REGISTRY``, where vLLM's metrics register) instead of recording them here: from now on
+        nobody calls ``logger``'s methods."""
+        self.source = registry
+
+    def read(self, family: _Family) -> Iterator[Observation]:
+        """The observations of ``family`` as vLLM's logger holds them in :attr:`source` (none
+        when vLLM has no such family). A histogram's buckets and sum are vLLM's; it keeps no
+        minimum or maximum (exported as the SDK does without them: +inf and -inf)."""
+        assert self.source is not None
+        name = family.name
+        wanted = {"counter": (f"{name}_total",), "gauge": (name,), "histogram": (f"{name}_bucket", f"{name}_sum")}
+        rename = dict(zip(family.labelnames, family.otel_labels))
+        histograms: dict[tuple[tuple[str, str], ...], tuple[list[float], list[float]]] = {}
+        for metric in self.source.restricted_registry(wanted[family.kind]).collect():
+            for s in metric.samples:
+                if family.kind != "histogram":
+                    yield Observation(s.value, {rename.get(k, k): v for k, v in s.labels.items()})
+                    continue
+                key = tuple((k, v) for k, v in s.labels.items() if k != "le")
+                cumulative, total = histograms.setdefault(key, ([], []))
+                (cumulative if s.name.endswith("_bucket") else total).append(s.value)
+        for key, (cumulative, total) in histograms.items():
+            if len(cumulative) != len(family.bounds) + 1 or len(total) != 1:
+                continue  # not the buckets vLLM's code gave this family here: no point rather than a wrong one
+            cell = self._read_cells.get((name, key))
+            if cell is None:
+                cell = HistogramCell(family.bounds, {rename.get(k, k): v for k, v in key})
+                self._read_cells[(name, key)] = cell
+            # prometheus_client's buckets are cumulative, in bound order, +Inf last.
+            cell.counts = [int(c - b) for c, b in zip(cumulative, [0.0, *cumulative[:-1]])]
+            cell.total = total[0]
+            yield cell.observation()
 
     def otel_labels(self, labelnames: tuple[str, ...]) -> tuple[str, ...]:
         if self.naming == "vllm":
@@ -294,6 +340,9 @@ class _Binding:
                 return
             family = series.families.get(name)
             if family is None or not family.recording or name in series.withheld:
+                return
+            if series.source is not None:
+                yield from series.read(family)
                 return
             for key, child in list(family.children.items()):
                 if isinstance(child, HistogramCell):

@@ -101,7 +101,11 @@ def _make_adding_class() -> type:
             self.vllm_config = vllm_config
             self._impl: Optional[VllmAdapter] = None
             try:
-                self._impl = VllmAdapter(vllm_config, self.engine_indexes, replace=self.replaces_vllm_logger)
+                # vLLM's StatLoggerManager builds its own Prometheus logger beside this class;
+                # replace mode's class builds it itself where it does not replace it.
+                self._impl = VllmAdapter(
+                    vllm_config, self.engine_indexes, replace=self.replaces_vllm_logger, beside_vllm_logger=True
+                )
             except ValueError as exc:  # a bad setting (OTEL_*, OTEL_LLM_*): its name and the rule, one line
                 _log.error("otel-llm vLLM adapter: telemetry disabled, vLLM serves on: %s", exc)
             except Exception:  # noqa: BLE001 - whatever else fails at start must not stop vLLM from serving
