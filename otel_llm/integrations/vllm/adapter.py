@@ -18,6 +18,7 @@ from otel_llm.catalogue import drops
 from otel_llm.catalogue.metrics import METRICS, request_token_buckets
 from otel_llm.config.settings import TelemetryConfig
 from otel_llm.core.telemetry import EngineTelemetry
+from otel_llm.events import StepStats
 from otel_llm.integrations.vllm import handle as shared_handle
 from otel_llm.integrations.vllm.fields import MISSING, FieldReader
 from otel_llm.summary import ENGINE_DEAD, SHUTDOWN
@@ -294,39 +295,29 @@ class VllmAdapter:
                 )
 
     def _record_step(self, tel: Any, idx: int, sched: Any, it: Any, offset: float) -> None:
-        from otel_llm.events import StepStats
-
         r = self.reader
-        running, waiting, usage = self._last_sched.get(idx, (0, 0, 0.0))
+        last = self._last_sched.get(idx)
+        running, waiting, usage = last if last is not None else (0, 0, 0.0)
         if sched is not None:
             v = r.number(sched, "num_running_reqs", "vllm:num_requests_running")
             running = int(v) if v is not None else running
             w = r.number(sched, "num_waiting_reqs", "vllm:num_requests_waiting")
             # vLLM's gauge counts the deferred ("skipped") waiting requests too.
             skipped = getattr(sched, "num_skipped_waiting_reqs", 0)
-            if isinstance(skipped, bool) or not isinstance(skipped, int):
+            if type(skipped) is not int:
                 skipped = 0
             waiting = int(w) + skipped if w is not None else waiting
             u = r.number(sched, "kv_cache_usage", "vllm:kv_cache_usage_perc")
             usage = float(u) if u is not None else usage
             self._last_sched[idx] = (running, waiting, usage)
         # Only an iteration observes iteration_tokens_total (0 included), as vLLM does.
-        batched = self._iteration_tokens(it) if it is not None else None
-        now = time.monotonic()
-        ts = r.number(it, "iteration_timestamp", "span times") if it is not None else None
-        if ts is not None:
-            now = ts - offset
-        if sched is None and idx not in self._last_sched and batched is None:
+        batched = ts = None
+        if it is not None:
+            batched = self._iteration_tokens(it)
+            ts = r.number(it, "iteration_timestamp", "span times")
+        if sched is None and last is None and batched is None:
             return
-        tel.on_step(
-            StepStats(
-                timestamp=now,
-                num_running=running,
-                num_waiting=waiting,
-                kv_cache_usage=usage,
-                num_batched_tokens=batched,
-            )
-        )
+        tel.on_step(StepStats(ts - offset if ts is not None else time.monotonic(), running, waiting, usage, batched))
         if sched is not None and self.gauges is not None:
             self.gauges.publish(idx, running, waiting, usage)
 
