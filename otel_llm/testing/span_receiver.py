@@ -25,6 +25,17 @@ def attribute_value(value: AnyValue) -> Any:
     return getattr(value, kind) if kind in ("string_value", "bool_value", "int_value", "double_value") else None
 
 
+def span_attributes(span: Span) -> dict[str, Any]:
+    """An OTLP span's attributes as Python values; an array of strings as a list."""
+    out: dict[str, Any] = {}
+    for a in span.attributes:
+        if a.value.WhichOneof("value") == "array_value":
+            out[a.key] = [x.string_value for x in a.value.array_value.values]
+        else:
+            out[a.key] = attribute_value(a.value)
+    return out
+
+
 class SpanReceiver(trace_service_pb2_grpc.TraceServiceServicer):
     """``with SpanReceiver() as receiver:`` serves OTLP/gRPC traces at ``receiver.endpoint``."""
 

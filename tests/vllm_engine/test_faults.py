@@ -27,6 +27,7 @@ from typing import Any, Iterator, Optional
 
 import pytest
 
+from otel_llm.testing.span_receiver import span_attributes
 from otel_llm.testing.vllm.server import MODEL_NAME, VllmServer, traceparent
 from tests.support.backends import OtlpSink, start_otlp_sink
 
@@ -56,15 +57,6 @@ class Outcome:
     success: Optional[Counter]  # vLLM's request_success by finish reason, summed over processes
     instances: set[str] = field(default_factory=set)
     log_path: str = ""
-
-
-def _attrs(span: Any) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for a in span.attributes:
-        kind = a.value.WhichOneof("value")
-        value = getattr(a.value, kind)
-        out[a.key] = [x.string_value for x in value.values] if kind == "array_value" else value
-    return out
 
 
 def _children(pid: int) -> list[int]:
@@ -240,11 +232,15 @@ def outcome(request: Any, tiny_model: Path) -> Iterator[tuple[str, list[str], Ou
     yield fault, args, _run(tiny_model, fault, args, busy)
 
 
+def _ending(span: Any) -> tuple[Optional[str], ...]:
+    """(incomplete mark, finish reason) of a request span."""
+    a = span_attributes(span)
+    return (a.get("llm.request.incomplete"), *a["gen_ai.response.finish_reasons"])
+
+
 def _census(o: Outcome) -> str:
     """For a failure's message: the spans by (incomplete mark, finish reason), the streams, the log."""
-    spans = Counter(
-        (_attrs(s).get("llm.request.incomplete"), *_attrs(s)["gen_ai.response.finish_reasons"]) for s in o.spans
-    )
+    spans = Counter(_ending(s) for s in o.spans)
     streams = Counter((s.chunks > 0, s.finish_reason) for s in o.streams)
     return f"spans {dict(spans)}, streams (streamed, finish reason) {dict(streams)}, log {o.log_path}"
 
@@ -272,7 +268,7 @@ def test_finished_requests_are_ordinary_spans_the_rest_say_why_they_were_cut_sho
         span = by_trace.get(stream.trace_id)
         if span is None:
             continue
-        a = _attrs(span)
+        a = span_attributes(span)
         events = [e for e in span.events if e.name == "preempted"]
         assert len(events) == a["llm.request.num_preemptions"]
         assert [dict((x.key, x.value.int_value) for x in e.attributes)["ordinal"] for e in events] == list(
@@ -320,9 +316,7 @@ def test_final_metric_export_counts_every_request_that_finished(outcome: Any, re
         )
         request.applymarker(pytest.mark.xfail(reason=reason, strict=False))
     assert o.success is not None, "no metric export reached the collector"
-    ended = Counter(
-        (_attrs(s).get("llm.request.incomplete"), *_attrs(s)["gen_ai.response.finish_reasons"]) for s in o.spans
-    )
+    ended = Counter(_ending(s) for s in o.spans)
     assert o.success["length"] == ended[(None, "length")] >= sum(s.finished for s in o.streams), _census(o)
     assert o.success["abort"] <= ended[(None, "abort")] + ended[("shutdown", "abort")]
     assert o.success["error"] == 0

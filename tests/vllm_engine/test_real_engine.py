@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from otel_llm.testing.span_receiver import span_attributes
 from otel_llm.testing.vllm.server import (
     MAX_MODEL_LEN,
     MODEL_NAME,
@@ -82,15 +83,6 @@ async def _post(url: str, body: dict, headers: dict[str, str]) -> int:
 
 def _success_total(samples: Samples) -> float:
     return sum(v for (name, _), v in samples.items() if name == "vllm:request_success_total")
-
-
-def _attrs(span: Any) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for a in span.attributes:
-        kind = a.value.WhichOneof("value")
-        value = getattr(a.value, kind)
-        out[a.key] = [x.string_value for x in value.values] if kind == "array_value" else value
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -205,7 +197,7 @@ def test_preempted_span_events_equal_vllms_preemption_counter(run: Run) -> None:
             if e.name == "preempted"
         ]
         assert ordinals == list(range(1, len(ordinals) + 1))
-        assert _attrs(s).get("llm.request.num_preemptions", 0) == len(ordinals)
+        assert span_attributes(s).get("llm.request.num_preemptions", 0) == len(ordinals)
 
 
 def test_a_client_disconnect_is_counted_as_vllm_counts_it_with_one_span(run: Run) -> None:
@@ -219,7 +211,7 @@ def test_a_client_disconnect_is_counted_as_vllm_counts_it_with_one_span(run: Run
     assert len(aborted) == 1  # one span, whichever way the request ended
     span = aborted[0]
     assert span.parent_span_id.hex() == span_id
-    attrs = _attrs(span)
+    attrs = span_attributes(span)
     if attrs["gen_ai.response.finish_reasons"] == ["abort"]:
         # vLLM aborted it when the client went: it counts it nowhere, the deep hook gave it its span.
         assert _success_total(run.vllm) == LOAD.requests + 1
