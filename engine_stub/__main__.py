@@ -55,9 +55,16 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     )
     requests = generate(spec, config.num_kv_blocks * config.block_size)
     try:
-        with stop_on_sigterm():
+        with stop_on_sigterm() as stop:
             try:
-                result = run_workload(engine, requests, step_time=args.step_time, temperature=args.temperature)
+                with stop.between_steps():
+                    result = run_workload(
+                        engine,
+                        requests,
+                        step_time=args.step_time,
+                        temperature=args.temperature,
+                        between_steps=stop.check,
+                    )
             except Stopped:
                 in_flight = engine.num_running + engine.num_waiting
                 print(

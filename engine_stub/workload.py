@@ -98,11 +98,13 @@ def run_workload(
     temperature: float = 1.0,
     trace_context: Optional[Callable[[str], Mapping[str, str]]] = None,
     on_step: Optional[Callable[[Engine, int], None]] = None,
+    between_steps: Optional[Callable[[], None]] = None,
 ) -> RunResult:
     """Feed ``requests`` at their arrival times and step until all finish.
 
     ``trace_context(request_id)`` gives a request's W3C carrier, as a client would send it;
-    ``on_step(engine, num_finished)`` is called after every step (progress display).
+    ``on_step(engine, num_finished)`` is called after every step (progress display);
+    ``between_steps()`` before each, where it may raise to stop the run (stopping.Stop.check).
     """
     outputs: list[RequestOutput] = []
     pending = sorted(requests, key=lambda r: r.arrival_time)
@@ -111,6 +113,8 @@ def run_workload(
     steps = 0
     start = time.perf_counter()
     while next_index < len(pending) or engine.has_unfinished_requests():
+        if between_steps is not None:
+            between_steps()
         if not engine.has_unfinished_requests():
             clock = max(clock, pending[next_index].arrival_time)  # idle: skip to the next arrival
         while next_index < len(pending) and pending[next_index].arrival_time <= clock:

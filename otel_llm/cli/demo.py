@@ -136,13 +136,14 @@ def demo(args: argparse.Namespace, stack: Optional[Stack] = None) -> int:
         return 2
 
     progress: Optional[Progress] = None
-    with stop_on_sigterm():
+    with stop_on_sigterm() as stop:
         try:
             spec = WorkloadSpec(num_requests=args.requests, rate=args.rate, seed=args.seed)
             requests = generate(spec, engine_config.num_kv_blocks * engine_config.block_size)
             progress = None if args.no_progress else Progress(len(requests))
             started = time.time()
-            result = run_workload(engine, requests, on_step=progress)
+            with stop.between_steps():
+                result = run_workload(engine, requests, on_step=progress, between_steps=stop.check)
             if progress is not None:
                 progress.close()
             handle.force_flush()
