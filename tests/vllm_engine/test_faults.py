@@ -115,11 +115,15 @@ async def _stream(session: Any, url: str, stream: Stream) -> None:
 async def _finished_on_server(session: Any, url: str) -> None:
     """Returns once vLLM's own /metrics counts FINISHED_AT_FAULT finished requests: the server's
     progress, not the client's, which a busy machine holds back while the streams run ahead."""
+    import aiohttp
     from prometheus_client.parser import text_string_to_metric_families
 
     while True:
-        async with session.get(f"{url}/metrics") as response:
-            text = await response.text()
+        try:
+            async with session.get(f"{url}/metrics") as response:
+                text = await response.text()
+        except aiohttp.ClientError:  # a kept-alive connection the server closed meanwhile: ask again
+            continue
         finished = sum(
             sample.value
             for family in text_string_to_metric_families(text)
