@@ -7,7 +7,7 @@ import sys
 from typing import Optional, Sequence
 
 from .engine import Engine, EngineConfig
-from .stopping import EXIT_STATUS, Stopped, stop_on_sigterm
+from .stopping import EXIT_STATUS, Stopped, say_stopped, stop_on_sigterm
 from .workload import WorkloadSpec, generate, run_workload
 
 
@@ -66,13 +66,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                         between_steps=stop.check,
                     )
             except Stopped:
-                in_flight = engine.num_running + engine.num_waiting
-                print(
-                    f"engine_stub: stopped by SIGTERM, {in_flight} requests in flight cut short; "
-                    "flushing the telemetry",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                say_stopped("engine_stub", engine.num_running + engine.num_waiting)
                 raise
             finally:
                 engine.shutdown()  # the plugins flush: in-flight spans end marked incomplete

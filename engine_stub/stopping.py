@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import threading
 from types import FrameType
 from typing import Iterator, Optional
@@ -57,6 +58,15 @@ class Stop:
         self.requested = True
         if not self._deferred:
             raise Stopped()
+
+
+def say_stopped(program: str, in_flight: int, where: str = "") -> None:
+    """The one line a stopped program prints (stderr) before it flushes: what was cut short."""
+    print(
+        f"{program}: stopped by SIGTERM{where}, {in_flight} requests in flight cut short; flushing the telemetry",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _exit_at_once(signum: int, frame: Optional[FrameType]) -> None:

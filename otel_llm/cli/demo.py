@@ -82,7 +82,7 @@ def demo(args: argparse.Namespace, stack: Optional[Stack] = None) -> int:
     # engine_stub needs torch; imported here so that the rest of the CLI does not.
     try:
         from engine_stub import Engine, EngineConfig
-        from engine_stub.stopping import EXIT_STATUS, Stopped, stop_on_sigterm
+        from engine_stub.stopping import EXIT_STATUS, Stopped, say_stopped, stop_on_sigterm
         from engine_stub.workload import WorkloadSpec, generate, run_workload
     except ModuleNotFoundError as exc:
         if exc.name != "torch":
@@ -167,12 +167,7 @@ def demo(args: argparse.Namespace, stack: Optional[Stack] = None) -> int:
         except Stopped:
             if progress is not None:
                 progress.close()
-            in_flight = engine.num_running + engine.num_waiting
-            print(
-                f"otel-llm demo: stopped by SIGTERM, {in_flight} requests in flight cut short; flushing the telemetry",
-                file=sys.stderr,
-                flush=True,
-            )
+            say_stopped("otel-llm demo", engine.num_running + engine.num_waiting)
             return EXIT_STATUS
         finally:
             handle.shutdown()  # in-flight spans end marked incomplete; everything is flushed

@@ -46,7 +46,7 @@ def demo_transformers(args: argparse.Namespace) -> int:
     import torch
     from transformers import ContinuousBatchingConfig, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    from engine_stub.stopping import EXIT_STATUS, Stopped, stop_on_sigterm
+    from engine_stub.stopping import EXIT_STATUS, Stopped, say_stopped, stop_on_sigterm
     from otel_llm.export.setup import setup_telemetry
     from otel_llm.integrations.transformers import TransformersInstrumentor
 
@@ -152,13 +152,7 @@ def demo_transformers(args: argparse.Namespace) -> int:
             # transformers fails the requests of a stopped batch itself; the telemetry ends the rest.
             if instrumentor.is_instrumented_by_opentelemetry:
                 instrumentor.uninstrument()
-            in_flight = args.requests - traces.completed
-            print(
-                f"otel-llm demo: stopped by SIGTERM mid-batch, {in_flight} requests in flight cut short; "
-                "flushing the telemetry",
-                file=sys.stderr,
-                flush=True,
-            )
+            say_stopped("otel-llm demo", args.requests - traces.completed, " mid-batch")
             return EXIT_STATUS
         finally:
             cb_logger.removeHandler(evictions)
