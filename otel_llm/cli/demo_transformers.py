@@ -44,11 +44,12 @@ class _Evictions(logging.Handler):
 
 def demo_transformers(args: argparse.Namespace) -> int:
     import torch
-    from transformers import ContinuousBatchingConfig, GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import ContinuousBatchingConfig, GenerationConfig, LlamaForCausalLM
 
     from engine_stub.stopping import EXIT_STATUS, Stopped, say_stopped, stop_on_sigterm
     from otel_llm.export.setup import setup_telemetry
     from otel_llm.integrations.transformers import TransformersInstrumentor
+    from otel_llm.testing.models import VOCAB_SIZE, make_tiny_llama
 
     otlp = ("otlp",) if _otlp_configured() else ()
     config = TelemetryConfig.from_env(
@@ -77,25 +78,14 @@ def demo_transformers(args: argparse.Namespace) -> int:
     with stop_on_sigterm():
         try:
             torch.set_num_threads(1)
-            torch.manual_seed(args.seed)
             with tempfile.TemporaryDirectory() as tmp:
-                LlamaForCausalLM(
-                    LlamaConfig(
-                        hidden_size=128,
-                        intermediate_size=256,
-                        num_hidden_layers=2,
-                        num_attention_heads=2,
-                        num_key_value_heads=2,
-                        vocab_size=512,
-                        max_position_embeddings=512,
-                    )
-                ).save_pretrained(Path(tmp))
+                make_tiny_llama(Path(tmp), args.seed)
                 model = LlamaForCausalLM.from_pretrained(tmp, attn_implementation="sdpa", dtype=torch.float32)
             instrumentor.instrument(
                 config=config, meter_provider=handle.meter_provider, tracer_provider=handle.tracer_provider
             )
             rng = random.Random(args.seed)
-            inputs = [[rng.randrange(1, 512) for _ in range(rng.randint(8, 40))] for _ in range(args.requests)]
+            inputs = [[rng.randrange(1, VOCAB_SIZE) for _ in range(rng.randint(8, 40))] for _ in range(args.requests)]
             t0 = time.perf_counter()
             outputs = model.generate_batch(
                 inputs=inputs,
