@@ -78,7 +78,11 @@ class VllmServer:
     configured by ``env`` (``OTEL_*``). ``start()`` waits until ``/health`` answers.
 
     ``cli=True`` runs ``vllm serve`` instead (through :mod:`otel_llm.testing.vllm.launcher`), for
-    the modes that only the command has: ``--api-server-count``, ``--data-parallel-size``."""
+    the modes that only the command has: ``--api-server-count``, ``--data-parallel-size``.
+
+    ``nice`` lowers the server's priority (its processes inherit it): vLLM's CPU worker keeps
+    every core busy, and a client that must act at a given point of the load (a test's fault)
+    would otherwise run seconds late."""
 
     def __init__(
         self,
@@ -87,8 +91,10 @@ class VllmServer:
         args: Sequence[str] = (),
         log_path: Optional[Path] = None,
         cli: bool = False,
+        nice: int = 0,
     ) -> None:
         self.model = model
+        self.nice = nice
         self.port = free_port()
         self.metrics_port = free_port()  # the plugin's own /metrics
         self.env = server_environment(
@@ -133,8 +139,10 @@ class VllmServer:
 
     def start(self, timeout_s: float = 600.0, progress: Any = None) -> "VllmServer":
         log = open(self.log_path, "ab")
+        # nice(1) execs the server: the pid stays the server's.
+        niced = ["nice", "-n", str(self.nice)] if self.nice else []
         self.proc = subprocess.Popen(
-            self.command(),
+            [*niced, *self.command()],
             env=self.env,
             stdout=log,
             stderr=subprocess.STDOUT,
