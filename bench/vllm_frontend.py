@@ -17,6 +17,8 @@ Variants, interleaved round by round in this one process (the order rotated each
 - ``deep_hook``: + ``OTEL_LLM_VLLM_DEEP_HOOK=1``;
 - ``otlp``: + metrics and traces over OTLP/HTTP to a loopback receiver (rotel, another process);
   each round ends with the plugin's shutdown flush (its spans and one metrics export);
+- ``each_step``: ``otlp`` with ``OTEL_LLM_DEFER_STEPS=1``: each engine step's stats translated as
+  they come, not 16 steps' together (what the deferral saves);
 - ``replace``: ``otlp`` with ``OTEL_LLM_VLLM_METRICS=replace`` (vLLM's own Prometheus logger not
   built; vLLM's ``/metrics`` answered by the plugin).
 
@@ -54,7 +56,7 @@ from .common import median, otlp_receiver, ratio, write_section
 
 HERE = Path(__file__).resolve().parent
 KEY = "vllm_frontend"
-VARIANTS = ("stock", "metrics", "spans", "deep_hook", "otlp", "replace")
+VARIANTS = ("stock", "metrics", "spans", "deep_hook", "otlp", "each_step", "replace")
 TARGET = 1.03  # otlp / stock, CPU per output token
 TARGET_REPLACE = 1.00  # replace / stock
 MODEL_NAME = "tiny"
@@ -69,6 +71,12 @@ _PLUGIN_ENV: dict[str, Optional[dict[str, str]]] = {
     "spans": {"OTEL_METRICS_EXPORTER": "none", "OTEL_TRACES_EXPORTER": "none"},
     "deep_hook": {"OTEL_METRICS_EXPORTER": "none", "OTEL_TRACES_EXPORTER": "none", "OTEL_LLM_VLLM_DEEP_HOOK": "1"},
     "otlp": {"OTEL_METRICS_EXPORTER": "otlp", "OTEL_TRACES_EXPORTER": "otlp", "OTEL_LLM_VLLM_DEEP_HOOK": "1"},
+    "each_step": {
+        "OTEL_METRICS_EXPORTER": "otlp",
+        "OTEL_TRACES_EXPORTER": "otlp",
+        "OTEL_LLM_VLLM_DEEP_HOOK": "1",
+        "OTEL_LLM_DEFER_STEPS": "1",
+    },
     "replace": {
         "OTEL_METRICS_EXPORTER": "otlp",
         "OTEL_TRACES_EXPORTER": "otlp",

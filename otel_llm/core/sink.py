@@ -51,6 +51,8 @@ class DropLog:
 
 def _describe(event: Any) -> str:
     # Never the payload texts: ids and numbers only.
+    if callable(event):
+        return "an engine step an adapter deferred (EngineTelemetry.defer)"
     kind = getattr(event, "type", None)
     return f"type={getattr(kind, 'name', kind)!r} request_id={str(getattr(event, 'request_id', '?'))[:64]!r}"
 

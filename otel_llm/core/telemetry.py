@@ -5,7 +5,8 @@ internal failures too); state is bounded (the tracker's caps, at most ``defer_st
 batches); batches are applied in order under one lock, so several publishing threads keep
 exact totals.
 
-Event batches are kept and applied together every ``defer_steps`` engine steps (16 through
+Event batches, and the engine steps an adapter hands over (:meth:`EngineTelemetry.defer`), are
+kept and applied together every ``defer_steps`` engine steps (16 through
 setup_telemetry; a hand-built EngineTelemetry applies each at once unless set): between two
 steps the model's work evicts the CPU caches, and the telemetry's code and data then cost
 several times more than when warm (engine_stub: ~3 us per TOKENS event cold, 0.5 us warm). A
@@ -18,7 +19,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import deque
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 from opentelemetry import metrics as metrics_api
 
@@ -107,7 +108,8 @@ class EngineTelemetry:
             (None, None) if exemplar_filter == "always_on" else None,
         )
         self.tracker = Tracker(self._sink, config.max_inflight_requests)
-        self._pending: deque[tuple[RequestEvent, ...]] = deque()
+        # Event batches, and adapters' deferred engine steps (defer), in the order they came.
+        self._pending: deque[Union[tuple[RequestEvent, ...], Callable[[], None]]] = deque()
         # Deferred only where every collection applies the pending batches first (the instruments'
         # callbacks); the SDK path records as it goes.
         instruments = self.metrics.instruments if isinstance(self.metrics, InProcessRecorder) else None
@@ -133,7 +135,14 @@ class EngineTelemetry:
         pending = self._pending
         with self.metrics.lock:
             while pending:
-                for event in pending.popleft():
+                batch = pending.popleft()
+                if callable(batch):
+                    try:
+                        batch()
+                    except Exception:  # noqa: BLE001 - never into the engine
+                        self._sink.internal_error(batch)
+                    continue
+                for event in batch:
                     try:
                         handle(event)
                     except (TypeError, AttributeError, ValueError):
@@ -162,6 +171,18 @@ class EngineTelemetry:
             self._sink.internal_error(stats)
 
     # -- for adapters whose engine hands over derived stats (vLLM) -----------------------
+
+    def defer(self, step: Callable[[], None], idle: bool = False) -> None:
+        """Keep ``step`` (an adapter's calls to the methods below for one engine step) and run it
+        in order with the event batches, every ``defer_steps`` steps, at collection, flush and
+        shutdown, as for events; ``idle``: the engine went idle, apply everything now."""
+        try:
+            pending = self._pending
+            pending.append(step)
+            if idle or len(pending) >= self._defer_steps:
+                self.apply_pending()
+        except Exception:  # noqa: BLE001 - never into the engine
+            self._sink.internal_error(None)
 
     def record_finished(
         self, summary: RequestSummary, trace_context: Optional[Any] = None, metrics: bool = True, span: bool = True

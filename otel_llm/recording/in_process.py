@@ -47,9 +47,10 @@ class ProviderInstruments:
 
     def __init__(self, meter: Meter, config: TelemetryConfig) -> None:
         self.naming = config.naming
-        # Serialises writers (engines). Collection never takes it, so recording into the SDK
-        # while holding it cannot deadlock with a reader's collect.
-        self.lock = threading.Lock()
+        # Serialises writers (engines), and the pending batches a collection applies first.
+        # Reentrant: a deferred engine step (EngineTelemetry.defer) records through the
+        # telemetry's own methods, which take it, while its batch is applied under it.
+        self.lock = threading.RLock()
         self.recorders: "weakref.WeakSet[InProcessRecorder]" = weakref.WeakSet()
         self.cells: dict[tuple[str, tuple], HistogramCell] = {}
         # Cells exported from their creation, at zero until observed (show_zero_series).
@@ -127,7 +128,7 @@ def _new_locks_after_fork() -> None:
     global _instruments_lock
     _instruments_lock = threading.Lock()
     for instruments in list(_by_provider.values()):
-        instruments.lock = threading.Lock()
+        instruments.lock = threading.RLock()
 
 
 if hasattr(os, "register_at_fork"):
@@ -191,7 +192,7 @@ class InProcessRecorder:
         self.instruments.recorders.add(self)
 
     @property
-    def lock(self) -> threading.Lock:  # the provider's: engines of one provider share its cells
+    def lock(self) -> "threading.RLock":  # the provider's: engines of one provider share its cells
         return self.instruments.lock
 
     def _cell(self, key: str, attributes: Optional[dict[str, str]] = None) -> HistogramCell:

@@ -34,7 +34,7 @@ class Recorder(Protocol):
     """
 
     @property
-    def lock(self) -> threading.Lock: ...
+    def lock(self) -> "threading.RLock": ...
 
     # Whether set_gauge_source is honoured (the in-process recorder reads gauges at collection).
     takes_gauge_source: bool

@@ -34,7 +34,7 @@ _instances: "weakref.WeakSet[SdkRecorder]" = weakref.WeakSet()
 
 def _new_locks_after_fork() -> None:
     for recorder in list(_instances):  # a child must not inherit a lock held by a parent's thread
-        recorder._lock = threading.Lock()
+        recorder._lock = threading.RLock()
 
 
 if hasattr(os, "register_at_fork"):
@@ -48,7 +48,7 @@ class SdkRecorder:
 
     def __init__(self, meter_provider: MeterProvider, config: TelemetryConfig) -> None:
         meter = meter_provider.get_meter(SCOPE, __version__)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         _instances.add(self)
         self.config = config
         self.attributes = base_attributes(config)
@@ -71,7 +71,7 @@ class SdkRecorder:
             self.i["dropped_events"].add(0, {**self.attributes, self._drop_key: reason})
 
     @property
-    def lock(self) -> threading.Lock:
+    def lock(self) -> "threading.RLock":
         return self._lock
 
     def preempted(self, reason: str, num_computed_tokens: int) -> None:

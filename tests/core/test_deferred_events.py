@@ -85,3 +85,39 @@ def test_setup_telemetry_defers_a_hand_built_telemetry_applies_at_once():
     r.telemetry.on_events(lifecycle("a", 10.0))
     assert len(r.telemetry._pending) == 0
     assert [attrs(s.attributes)["gen_ai.request.id"] for s in r.span_exporter.get_finished_spans()] == ["a"]
+
+
+def test_an_adapters_deferred_steps_run_in_order_with_the_event_batches():
+    """An adapter's step (EngineTelemetry.defer) records through the telemetry's own methods,
+    which take the lock its batch is applied under."""
+    r = in_memory_telemetry(TelemetryConfig(model_name="tiny", defer_steps=3))
+    order: list[str] = []
+
+    def step(tokens: int) -> None:
+        order.append(f"step {tokens}")
+        r.telemetry.record_iteration(generation_tokens=tokens, num_preemptions=1)
+
+    r.telemetry.defer(lambda: step(2))
+    r.telemetry.on_events(lifecycle("a", 10.0, tokens=4))
+    assert order == [] and len(r.telemetry._pending) == 2
+    r.telemetry.defer(lambda: step(5))  # the 3rd: all applied, in order
+    assert order == ["step 2", "step 5"] and len(r.telemetry._pending) == 0
+    assert r.counter("generation_tokens") == 2 + 4 + 5
+    assert r.counter("num_preemptions") == 2
+
+
+def test_an_idle_deferred_step_applies_everything_and_a_failing_one_is_counted():
+    r = in_memory_telemetry(TelemetryConfig(model_name="tiny", defer_steps=1000))
+    r.telemetry.on_events(lifecycle("a", 10.0))
+
+    def boom() -> None:
+        raise RuntimeError("adapter bug")
+
+    r.telemetry.defer(boom)
+    r.telemetry.defer(lambda: r.telemetry.record_iteration(generation_tokens=3))
+    assert len(r.telemetry._pending) == 3
+    r.telemetry.defer(lambda: r.telemetry.record_iteration(generation_tokens=1), idle=True)
+    assert len(r.telemetry._pending) == 0
+    assert [attrs(s.attributes)["gen_ai.request.id"] for s in r.span_exporter.get_finished_spans()] == ["a"]
+    assert r.counter("dropped_events", reason="internal_error") == 1
+    assert r.counter("generation_tokens") == 3 + 3 + 1  # the request's 3, then the steps'

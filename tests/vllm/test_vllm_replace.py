@@ -121,6 +121,26 @@ def test_replace_serves_what_vllm_serves(clean, vllm_config, monkeypatch, accept
         )  # exemplars: a bucket leads to a trace
 
 
+def test_replace_scraped_mid_stream_serves_what_vllm_serves(clean, vllm_config, monkeypatch):
+    """Mid-stream the plugin still keeps its last engine steps (defer_steps), vLLM's logger code
+    among them: the scrape applies them first."""
+    from vllm.v1.metrics.prometheus import unregister_vllm_metrics
+
+    steps = 7
+    unregister_vllm_metrics()
+    run(_manager(vllm_config, []), _streams(), steps=steps)
+    _, stock = _scrape(TEXT)
+    unregister_vllm_metrics()
+    manager = _manager(vllm_config, [_replace_class(monkeypatch)])
+    run(manager, _streams(), steps=steps)
+    (ours,) = manager.stat_loggers
+    assert all(tel._pending for tel in ours.telemetry.values())  # steps kept, on both engines
+    ours._impl.series.before_read()  # what a read of vLLM's series runs first, whatever the SDK's order
+    assert not any(tel._pending for tel in ours.telemetry.values())
+    _, mid = _scrape(TEXT)
+    assert [line for line in mid if not NEVER_PREEMPTED.match(line)] == stock
+
+
 def test_replace_scrape_after_shutdown_answers(clean, vllm_config, monkeypatch):
     """After the plugin's providers shut down (vLLM shutting down), a scrape still answers,
     without vLLM's families: nothing raises into vLLM's route (which would answer 500)."""

@@ -7,6 +7,7 @@ is the shell vLLM loads."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import sys
@@ -153,6 +154,9 @@ class VllmAdapter:
             return
         have = {v.series_name for v in getattr(self.handle, "extra_views", ()) if isinstance(v, SeriesView)}
         left_out = self.series.bind(provider, have.__contains__)
+        # The steps kept call vLLM's logger code. The telemetries, not this adapter: a cycle
+        # through the series would keep the adapter (a deep-hook listener) past its vLLM.
+        self.series.before_read = functools.partial(_apply_kept_steps, self.telemetry)
         if left_out:
             _log.warning(
                 "otel-llm vLLM adapter: %d of vLLM's series are not exported, their Views are not on the "
@@ -214,16 +218,30 @@ class VllmAdapter:
 
     def record(self, scheduler_stats: Any, iteration_stats: Any, engine_idx: int, mm_cache_stats: Any = None) -> None:
         idx = engine_idx if isinstance(engine_idx, int) else 0
-        self.call_series("record", scheduler_stats, iteration_stats, mm_cache_stats=mm_cache_stats, engine_idx=idx)
         tel = self._engine(idx)
-        if tel is None:
+        if tel is None or (scheduler_stats is None and iteration_stats is None):
+            self.call_series("record", scheduler_stats, iteration_stats, mm_cache_stats=mm_cache_stats, engine_idx=idx)
             return
-        offset = time.time() - time.monotonic()
         self.record_ended()
-        if iteration_stats is not None:
-            self._record_iteration(tel, iteration_stats, offset)
-        if scheduler_stats is not None or iteration_stats is not None:
-            self._record_step(tel, idx, scheduler_stats, iteration_stats, offset)
+        offset = time.time() - time.monotonic()
+        step = functools.partial(self._record, tel, idx, scheduler_stats, iteration_stats, mm_cache_stats, offset)
+        if self.gauges is not None:  # other API servers read the published gauges: at once
+            step()
+            return
+        # Translated with the next steps' (defer_steps): between two engine steps the server's
+        # other work evicts the caches, and the translation costs two to three times more cold.
+        idle = (
+            scheduler_stats is not None
+            and getattr(scheduler_stats, "num_running_reqs", None) == 0
+            and getattr(scheduler_stats, "num_waiting_reqs", None) == 0
+        )
+        tel.defer(step, idle)
+
+    def _record(self, tel: Any, idx: int, sched: Any, it: Any, mm_cache_stats: Any, offset: float) -> None:
+        self.call_series("record", sched, it, mm_cache_stats=mm_cache_stats, engine_idx=idx)
+        if it is not None:
+            self._record_iteration(tel, it, offset)
+        self._record_step(tel, idx, sched, it, offset)
 
     def record_ended(self) -> None:
         """A span for each request the deep hook saw end without vLLM's FinishedRequestStats
@@ -265,6 +283,7 @@ class VllmAdapter:
         """vLLM stops or its engine died: the requests ended then get their spans, and the
         telemetry is flushed at once, on a thread of its own (vLLM's process manager may kill
         this process a few seconds later; the flush at exit follows when it does not)."""
+        _apply_kept_steps(self.telemetry)  # no engine step comes to apply them
         self.record_ended()
         # Not from a finalizer at interpreter exit (vLLM's AsyncLLM.__del__ shuts it down): the
         # flush at exit has run, and a thread started then never runs (its start() waits forever).
@@ -506,6 +525,12 @@ def _shared_gauges(vllm_config: Any, series: Any, telemetry: dict[int, Any]) -> 
     except Exception:  # noqa: BLE001 - sharing is optional: per-process gauges stay
         _log.exception("otel-llm vLLM adapter: the scheduler gauges stay per API server, sharing them failed")
         return None
+
+
+def _apply_kept_steps(telemetry: dict[int, EngineTelemetry]) -> None:
+    """Apply the engine steps each engine's telemetry keeps (EngineTelemetry.defer)."""
+    for tel in list(telemetry.values()):
+        tel.flush()
 
 
 def _int(value: Any) -> Optional[int]:

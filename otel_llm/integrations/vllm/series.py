@@ -195,6 +195,9 @@ class VllmSeries:
         # A prometheus_client registry where vLLM's own logger records these series: read there
         # at collection (read_from); None: recorded here by ``logger``.
         self.source: Optional[Any] = None
+        # Run before the values recorded here are read: applies the engine steps that the
+        # adapter keeps (EngineTelemetry.defer), whose translation calls ``logger``.
+        self.before_read: Callable[[], None] = _nothing
         self._read_cells: dict[tuple[str, tuple[tuple[str, str], ...]], HistogramCell] = {}
         # Families recorded but not exported by this process: another process reports them.
         self.withheld: set[str] = set()
@@ -344,6 +347,7 @@ class _Binding:
             if series.source is not None:
                 yield from series.read(family)
                 return
+            series.before_read()
             for key, child in list(family.children.items()):
                 if isinstance(child, HistogramCell):
                     yield child.observation()
@@ -356,6 +360,10 @@ class _Binding:
 
 
 _bindings: "weakref.WeakKeyDictionary[Any, _Binding]" = weakref.WeakKeyDictionary()
+
+
+def _nothing() -> None:
+    pass
 
 
 @contextlib.contextmanager
