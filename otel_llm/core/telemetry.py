@@ -173,9 +173,10 @@ class EngineTelemetry:
     # -- for adapters whose engine hands over derived stats (vLLM) -----------------------
 
     def defer(self, step: Callable[[], None], idle: bool = False) -> None:
-        """Keep ``step`` (an adapter's calls to the methods below for one engine step) and run it
-        in order with the event batches, every ``defer_steps`` steps, at collection, flush and
-        shutdown, as for events; ``idle``: the engine went idle, apply everything now."""
+        """Keep ``step`` (an adapter's calls to ``record_iteration``, ``record_finished`` and
+        ``on_step`` for one engine step) and run it in order with the event batches, every
+        ``defer_steps`` steps, at collection, flush and shutdown, as for events; ``idle``: the
+        engine went idle, apply everything now."""
         try:
             pending = self._pending
             pending.append(step)
