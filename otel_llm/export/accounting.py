@@ -9,6 +9,7 @@ batch processor's drop hook are wrapped here (SDK internals: otel_llm._sdk.batch
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from typing import TYPE_CHECKING, Any, Optional, Sequence
@@ -49,6 +50,8 @@ class ExportAccounting:
         self.dropped: dict[str, int] = {}
         self.exported: dict[str, int] = {}
         self._pending: dict[str, int] = {}
+        self._in_flight: dict[int, tuple[str, int]] = {}  # export -> (its failure reason, its items)
+        self._exports = itertools.count()
         self.telemetry: Optional[EngineTelemetry] = None
 
     def drop(self, reason: str, n: int) -> None:
@@ -56,6 +59,31 @@ class ExportAccounting:
             with self._lock:
                 self.dropped[reason] = self.dropped.get(reason, 0) + n
                 self._pending[reason] = self._pending.get(reason, 0) + n
+
+    def begin(self, failed: str, n: int) -> int:
+        """An export of ``n`` items starts; its token for :meth:`settle`."""
+        with self._lock:
+            token = next(self._exports)
+            self._in_flight[token] = (failed, n)
+        return token
+
+    def settle(self, token: int) -> bool:
+        """The export ``token`` ended: False if :meth:`abandon_in_flight` has counted it lost already."""
+        with self._lock:
+            return self._in_flight.pop(token, None) is not None
+
+    def abandon_in_flight(self) -> None:
+        """At shutdown: the exports still running are counted lost, as they will be once the
+        process exits (their threads are daemons); one that ends later counts nothing more."""
+        with self._lock:
+            in_flight, self._in_flight = self._in_flight, {}
+        for failed, n in in_flight.values():
+            self.drop(failed, n)
+
+    def dropped_so_far(self) -> dict[str, int]:
+        """A copy of ``dropped``: exports left running in the background may still add to it."""
+        with self._lock:
+            return dict(self.dropped)
 
     def delivered(self, kind: str, n: int) -> None:
         with self._lock:
@@ -146,8 +174,11 @@ class _CountingExporter(SpanExporter, LogRecordExporter):
         if self._backoff.closed():
             result = kind.failure
         else:
+            token = self._accounting.begin(kind.failed, len(items))
             result = run_export(lambda: self._exporter.export(items), kind.failure, kind.name, self._bound)
             self._backoff.result(result is kind.success)
+            if not self._accounting.settle(token):
+                return result  # counted lost at shutdown
         if result is kind.success:
             self._accounting.delivered(kind.name, len(items))
         else:
@@ -178,9 +209,16 @@ class CountingMetricExporter(MetricExporter):
 
     def export(self, metrics_data: Any, timeout_millis: float = 10_000, **kwargs: Any) -> MetricExportResult:
         self._accounting.flush()
+        points = sum(
+            len(m.data.data_points)
+            for rm in metrics_data.resource_metrics
+            for sm in rm.scope_metrics
+            for m in sm.metrics
+        )
         if self._backoff.closed():
             result = MetricExportResult.FAILURE
         else:
+            token = self._accounting.begin(METRIC_POINTS_EXPORT_FAILED, points)
             result = run_export(
                 lambda: self._exporter.export(metrics_data, timeout_millis=timeout_millis, **kwargs),
                 MetricExportResult.FAILURE,
@@ -188,12 +226,8 @@ class CountingMetricExporter(MetricExporter):
                 self._bound,
             )
             self._backoff.result(result is MetricExportResult.SUCCESS)
-        points = sum(
-            len(m.data.data_points)
-            for rm in metrics_data.resource_metrics
-            for sm in rm.scope_metrics
-            for m in sm.metrics
-        )
+            if not self._accounting.settle(token):
+                return result  # counted lost at shutdown
         if result is MetricExportResult.SUCCESS:
             self._accounting.delivered("metric_points", points)
         else:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import functools
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -19,6 +20,8 @@ from otel_llm.export.shutdown import run_bounded
 
 if TYPE_CHECKING:
     from otel_llm.export.accounting import ExportAccounting
+
+_log = logging.getLogger(__name__)
 
 # How long a shutdown waits for each stage of export (spans and log records, then metrics): the
 # OTLP exporters' default timeout.
@@ -69,7 +72,8 @@ class TelemetryHandle:
     def shutdown(self, timeout_millis: int = SHUTDOWN_TIMEOUT_MILLIS) -> None:
         """Flush and stop everything; idempotent, and run at interpreter exit if not called.
         Spans and log records, then metrics, get at most ``timeout_millis`` each: an exporter
-        still retrying then is left to finish in the background, with a warning."""
+        still retrying then is left to finish in the background, with a warning. What the export
+        path lost since start-up is said in one line: its counter goes nowhere once we stop."""
         if self._closed:
             return
         self._closed = True
@@ -79,6 +83,15 @@ class TelemetryHandle:
         self._stages("shutdown", timeout_millis)
         if self.prometheus is not None:
             self.prometheus.shutdown()
+        if self.accounting is None:
+            return
+        self.accounting.abandon_in_flight()
+        lost = self.accounting.dropped_so_far()
+        if lost:  # an error, as the SDK's own export failures: hosts that quieten warnings still show it
+            _log.error(
+                "otel_llm: not delivered since start-up (otel_llm.dropped_events by reason): %s",
+                ", ".join(f"{reason}={n}" for reason, n in sorted(lost.items())),
+            )
 
     def _stages(self, method: str, timeout_millis: int, *args: Any) -> list[Any]:
         """``method(*args)`` of the span and log record providers side by side, then of the

@@ -17,6 +17,7 @@ import logging
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -276,6 +277,40 @@ def test_shutdown_with_a_hung_collector_returns_within_its_bound(clean_env, capl
         "otel_llm: TracerProvider.shutdown",
         "otel_llm: MeterProvider.shutdown",
     ], late
+    # The exports still waiting on the collector are counted lost: the process that shuts down
+    # exits next, and their threads with it.
+    assert handle.accounting is not None
+    lost = handle.accounting.dropped_so_far()
+    assert lost["spans_export_failed"] == 1 and lost["metric_points_export_failed"] > 0, lost
+    said = [r.getMessage() for r in caplog.records if "not delivered" in r.getMessage()]
+    assert len(said) == 1 and "spans_export_failed=1" in said[0], said
+
+
+def test_shutdown_with_the_collector_down_says_what_was_lost(clean_env, caplog):
+    """A collector that is down (its port bound, nothing listening: every connection refused):
+    the shutdown's exports fail, and one line says what was lost, as counted."""
+    with socket.socket() as down:
+        down.bind(("127.0.0.1", 0))
+        clean_env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{down.getsockname()[1]}")
+        clean_env.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+        clean_env.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "1")
+        handle = setup_telemetry(
+            TelemetryConfig(model_name="m", metrics_exporters=("otlp",), traces_exporters=("otlp",))
+        )
+        bus = HookBus()
+        bus.subscribe(handle.telemetry)
+        bus.publish(lifecycle("a") + lifecycle("b", t=2.0))
+        caplog.set_level(logging.WARNING, logger="otel_llm")
+        handle.shutdown(timeout_millis=5000)
+    assert handle.accounting is not None
+    lost = handle.accounting.dropped_so_far()
+    assert lost["spans_export_failed"] == 2
+    assert lost["metric_points_export_failed"] > 0
+    lines = [r.getMessage() for r in caplog.records if "not delivered" in r.getMessage()]
+    assert lines == [
+        "otel_llm: not delivered since start-up (otel_llm.dropped_events by reason): "
+        f"metric_points_export_failed={lost['metric_points_export_failed']}, spans_export_failed=2"
+    ]
 
 
 # A process that publishes a request's events and exits without shutting anything down.

@@ -9,7 +9,8 @@ engine-core process (an OOM kill). The loss this guards against was intermittent
 runs more than once, once with a busy process beside the server. After the server has exited:
 exactly one span per request that streamed, none twice, each in its caller's trace; the requests
 that finished are ordinary spans, the others are marked with why they were cut short; the final
-metric export counts every request that finished.
+metric export counts every request that finished. With the collector down when vLLM stops, it
+still exits within the bound and says what was lost.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -126,7 +129,7 @@ async def _finished_on_server(session: Any, url: str) -> None:
             async with session.get(f"{url}/metrics") as response:
                 text = await response.text()
         except aiohttp.ClientError:  # a kept-alive connection the server closed meanwhile: ask again
-            continue
+            text = ""
         # Only the few lines needed, not the whole exposition parsed: the poll keeps up with the load.
         finished = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(SUCCESS))
         if finished >= FINISHED_AT_FAULT:
@@ -174,48 +177,65 @@ def _last_success_totals(sink: OtlpSink) -> dict[str, Counter]:
     return last
 
 
+@dataclass
+class Served:
+    streams: list[Stream]
+    exit_s: float  # from the fault (the SIGTERM that follows an engine kill) to the server's exit
+    log_path: str
+
+
+def _serve_with_fault(tiny_model: Path, fault: str, args: list[str], busy: bool, endpoint: str) -> Served:
+    env = {
+        "OTEL_METRICS_EXPORTER": "otlp",
+        "OTEL_TRACES_EXPORTER": "otlp",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+        "OTEL_BSP_SCHEDULE_DELAY": "60000",
+        "OTEL_METRIC_EXPORT_INTERVAL": "60000",
+        "OTEL_LLM_VLLM_DEEP_HOOK": "1",
+    }
+    burner = None
+    with VllmServer(tiny_model, env=env, args=args, cli=bool(args), nice=SERVER_NICE) as server:
+        assert server.proc is not None
+        pid = server.proc.pid
+        sigterm_at = [0.0]
+
+        def sigterm() -> None:
+            sigterm_at[0] = time.monotonic()
+            os.kill(pid, signal.SIGTERM)
+
+        def inject() -> None:
+            if fault == "sigterm":
+                sigterm()
+            else:
+                cores = _engine_cores(pid)
+                assert cores, "no engine-core process found"
+                os.kill(cores[0], signal.SIGKILL)
+
+        if busy:
+            burner = subprocess.Popen(["nice", "-n", str(SERVER_NICE), sys.executable, "-c", "while True: pass"])
+        try:
+            streams = asyncio.run(_load_with_fault(server.url, inject))
+            if fault != "sigterm":
+                # vLLM stops serving once its engine died; the orchestrator's SIGTERM follows.
+                sigterm()
+            server.proc.wait(EXIT_BOUND_S)
+            exit_s = time.monotonic() - sigterm_at[0]
+        finally:
+            if burner is not None:
+                burner.kill()
+                burner.wait()
+        return Served(streams, exit_s, str(server.log_path))
+
+
 def _run(tiny_model: Path, fault: str, args: list[str], busy: bool) -> Outcome:
     with start_otlp_sink("grpc") as sink:
-        env = {
-            "OTEL_METRICS_EXPORTER": "otlp",
-            "OTEL_TRACES_EXPORTER": "otlp",
-            "OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint,
-            "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
-            "OTEL_BSP_SCHEDULE_DELAY": "60000",
-            "OTEL_METRIC_EXPORT_INTERVAL": "60000",
-            "OTEL_LLM_VLLM_DEEP_HOOK": "1",
-        }
-        burner = None
-        with VllmServer(tiny_model, env=env, args=args, cli=bool(args), nice=SERVER_NICE) as server:
-            assert server.proc is not None
-            pid = server.proc.pid
-
-            def inject() -> None:
-                if fault == "sigterm":
-                    os.kill(pid, signal.SIGTERM)
-                else:
-                    cores = _engine_cores(pid)
-                    assert cores, "no engine-core process found"
-                    os.kill(cores[0], signal.SIGKILL)
-
-            if busy:
-                burner = subprocess.Popen(["nice", "-n", str(SERVER_NICE), sys.executable, "-c", "while True: pass"])
-            try:
-                streams = asyncio.run(_load_with_fault(server.url, inject))
-                if fault != "sigterm":
-                    # vLLM stops serving once its engine died; the orchestrator's SIGTERM follows.
-                    os.kill(pid, signal.SIGTERM)
-                server.proc.wait(EXIT_BOUND_S)
-            finally:
-                if burner is not None:
-                    burner.kill()
-                    burner.wait()
-            log_path = str(server.log_path)
+        served = _serve_with_fault(tiny_model, fault, args, busy, sink.endpoint)
         spans = [s for s in sink.spans() if s.name == "llm_request"]
         totals = _last_success_totals(sink)
         instances = {_instance(rs.resource) for req in list(sink.traces) for rs in req.resource_spans}
         success = sum(totals.values(), Counter()) if totals else None
-        return Outcome(streams, spans, success, instances | set(totals), log_path)
+        return Outcome(served.streams, spans, success, instances | set(totals), served.log_path)
 
 
 # (fault, vLLM's arguments, busy process beside, run): the run number keeps two runs of one case
@@ -320,3 +340,21 @@ def test_final_metric_export_counts_every_request_that_finished(outcome: Any) ->
     assert o.success["error"] == 0
     if len(args):
         assert len(o.instances) == 2, "each API-server process flushes its own"
+
+
+def test_sigterm_with_the_collector_down_exits_within_the_bound_and_says_what_was_lost(tiny_model: Path) -> None:
+    """The collector is down when vLLM stops (its port bound, nothing listening: every connection
+    refused): vLLM still exits within the bound, and the log's last word from the plugin says
+    what did not reach the collector, one span per request that streamed at least."""
+    with socket.socket() as down:
+        down.bind(("127.0.0.1", 0))
+        served = _serve_with_fault(tiny_model, "sigterm", [], False, f"http://127.0.0.1:{down.getsockname()[1]}")
+    assert served.exit_s < EXIT_BOUND_S
+    log = Path(served.log_path).read_text().splitlines()
+    lines = [line for line in log if "not delivered since start-up" in line]
+    assert len(lines) == 1, [line for line in log if "otel" in line.lower()][-20:] + log[-10:]
+    lost = dict(item.split("=") for item in lines[0].split("by reason): ", 1)[1].split(", "))
+    streamed = sum(s.chunks > 0 for s in served.streams)
+    assert streamed >= FINISHED_AT_FAULT
+    assert streamed <= int(lost["spans_export_failed"]) <= REQUESTS, (lines, streamed)
+    assert int(lost["metric_points_export_failed"]) > 0
