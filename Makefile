@@ -21,6 +21,8 @@ $(READY): pyproject.toml
 	$(PIP) install -q -e '.[engine,dev]'
 	command -v prometheus >/dev/null || { apt-get update -qq && apt-get install -y -qq prometheus; } \
 	  || echo "warning: could not install prometheus (needs root); its tests will skip"
+	command -v valgrind >/dev/null || { apt-get update -qq && apt-get install -y -qq valgrind; } \
+	  || echo "warning: could not install valgrind (needs root); bench instruction counts will not run"
 	touch $@
 
 # /metrics stays up SERVE_SECONDS after the summary (Ctrl-C ends it); SERVE_SECONDS=0 skips that.

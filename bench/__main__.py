@@ -32,7 +32,13 @@ HERE = Path(__file__).resolve().parent
 # Written by their own commands in vLLM's environments (python -m bench.vllm_engine in
 # .venv-vllm-cpu, python -m bench.vllm_record in .venv-vllm): a run here keeps them from the
 # file it replaces.
-KEPT_SECTIONS = (vllm_engine.KEY, vllm_engine.REPLACE_KEY, vllm_record.KEY, vllm_frontend.KEY)
+KEPT_SECTIONS = (
+    vllm_engine.KEY,
+    vllm_engine.REPLACE_KEY,
+    vllm_record.KEY,
+    vllm_frontend.KEY,
+    vllm_frontend.INSTRUCTIONS_KEY,
+)
 
 
 def _versions() -> dict[str, str]:

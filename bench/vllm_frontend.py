@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import gc
 import json
@@ -50,12 +51,15 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, ContextManager, Optional, Sequence
 
+from . import instructions
 from .common import median, otlp_receiver, ratio, write_section
 
 HERE = Path(__file__).resolve().parent
 KEY = "vllm_frontend"
+INSTRUCTIONS_KEY = "vllm_frontend_instructions"
+COUNT_TIMEOUT_S = 3600  # one counted round under callgrind: a few minutes
 VARIANTS = ("stock", "metrics", "spans", "deep_hook", "otlp", "each_step", "replace")
 TARGET = 1.03  # otlp / stock, CPU per output token
 TARGET_REPLACE = 1.00  # replace / stock
@@ -347,8 +351,14 @@ class Frontend:
         return [stat_logger.stat_logger_class()]
 
     async def round(
-        self, variant: str, specs: list[Any], client: Any, scrape: bool = False, profile: Optional["Profile"] = None
+        self,
+        variant: str,
+        specs: list[Any],
+        client: Any,
+        scrape: bool = False,
+        measure: Optional[ContextManager[Any]] = None,
     ) -> dict[str, Any]:
+        """One round; ``measure`` (a profile, an instruction count) is entered for its measured part."""
         import uvicorn
         from vllm.entrypoints.launchers.api_server.app_state import init_app_state
         from vllm.entrypoints.launchers.app import build_app
@@ -393,7 +403,7 @@ class Frontend:
         tokens = sum(s.tokens for s in specs)
         gc.collect()
         try:
-            with profile if profile is not None else contextlib.nullcontext():
+            with measure if measure is not None else contextlib.nullcontext():
                 cpu0, main0 = time.process_time(), time.thread_time()
                 client.stdin.write(f"{port} {len(specs)} {specs[0].tokens} {int(scrape)}\n".encode())
                 await client.stdin.drain()
@@ -555,11 +565,8 @@ def summarize(rounds: dict[str, list[dict[str, Any]]], field: str) -> dict[str, 
     return out
 
 
-async def _run(rounds: int, requests: int, tokens: int, running: int, profile: bool, log: Any) -> dict[str, Any]:
-    from otel_llm.testing.models import make_tiny_llama
-
-    specs = round_specs(requests, tokens, running)
-    client = await asyncio.create_subprocess_exec(
+async def _start_client() -> Any:
+    return await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
         "bench.vllm_frontend",
@@ -568,6 +575,13 @@ async def _run(rounds: int, requests: int, tokens: int, running: int, profile: b
         stdout=asyncio.subprocess.PIPE,
         cwd=str(HERE.parent),
     )
+
+
+async def _run(rounds: int, requests: int, tokens: int, running: int, profile: bool, log: Any) -> dict[str, Any]:
+    from otel_llm.testing.models import make_tiny_llama
+
+    specs = round_specs(requests, tokens, running)
+    client = await _start_client()
     try:
         with tempfile.TemporaryDirectory(prefix="bench-vllm-frontend-") as tmp, otlp_receiver() as receiver:
             _vllm_environment(str(Path(tmp) / "cache"))
@@ -604,7 +618,7 @@ async def _run(rounds: int, requests: int, tokens: int, running: int, profile: b
                 for name in ("stock", "otlp", "replace"):
                     profiler = Profile()
                     for _ in range(PROFILE_ROUNDS):
-                        await frontend.round(name, specs, client, profile=profiler)
+                        await frontend.round(name, specs, client, measure=profiler)
                     profiles[name] = profiler.report()
     finally:
         if client.stdin is not None:
@@ -643,6 +657,119 @@ def run(
     return asyncio.run(_run(rounds, requests, tokens, running, profile, log))
 
 
+# ---------------------------------------------------------------------------------------
+# Instructions per output token: each variant's round in a process of its own under callgrind
+
+
+async def _count_round(variant: str, requests: int, tokens: int, running: int) -> dict[str, Any]:
+    """A warm-up round, then one counted (run under callgrind by :func:`run_instructions`)."""
+    from otel_llm.testing.models import make_tiny_llama
+
+    window = instructions.Window()
+    if not window.under_callgrind():
+        raise RuntimeError("--count-round runs under callgrind: use --instructions")
+    # Under callgrind a round takes a minute, not a second: timers that would not fire within a
+    # round (the span processor's 5 s, vLLM's stats log every 10 s) would fire many times.
+    os.environ["OTEL_BSP_SCHEDULE_DELAY"] = "600000"
+    os.environ["VLLM_LOG_STATS_INTERVAL"] = "600"
+    specs = round_specs(requests, tokens, running)
+    client = await _start_client()
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench-vllm-frontend-") as tmp, otlp_receiver() as receiver:
+            _vllm_environment(str(Path(tmp) / "cache"))
+            frontend = Frontend(make_tiny_llama(Path(tmp) / "tiny-llama"), receiver["http"])
+            await frontend.round(variant, specs, client)
+            return await frontend.round(variant, specs, client, measure=window)
+    finally:
+        if client.stdin is not None:
+            client.stdin.close()
+        await asyncio.wait_for(client.wait(), 30)
+
+
+def _counted(name: str, variant: str, requests: int, tokens: int, running: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix=f"bench-callgrind-{name}-") as tmp:
+        out = Path(tmp)
+        argv = [
+            "--count-round",
+            variant,
+            "--requests",
+            str(requests),
+            "--tokens",
+            str(tokens),
+            "--running",
+            str(running),
+        ]
+        with open(out / "stderr.log", "wb") as err:
+            proc = subprocess.run(
+                [*instructions.command(out), sys.executable, "-m", "bench.vllm_frontend", *argv],
+                cwd=str(HERE.parent),
+                stdout=subprocess.PIPE,
+                stderr=err,
+                timeout=COUNT_TIMEOUT_S,
+            )
+        if proc.returncode != 0:
+            tail = (out / "stderr.log").read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"{name}: the counted round failed ({proc.returncode}):\n{tail}")
+        by_thread = instructions.totals_by_thread(out)
+    output_tokens = requests * tokens
+    total, loop = sum(by_thread.values()), by_thread.get(1, 0)
+    return {
+        "per_token": total / output_tokens,
+        "loop_per_token": loop / output_tokens,
+        "others_per_token": (total - loop) / output_tokens,
+        "by_thread": {str(k): v for k, v in sorted(by_thread.items())},
+    }
+
+
+def run_instructions(
+    requests: int, tokens: int, running: int, jobs: int, variants: Sequence[str] = VARIANTS, log: Any = sys.stderr
+) -> dict[str, Any]:
+    reason = instructions.missing()
+    if reason:
+        raise SystemExit(f"--instructions: {reason}")
+    # stock twice: how far two counts of the same work lie apart.
+    runs = [(n, n) for n in ("stock", *(v for v in variants if v != "stock"))] + [("stock_again", "stock")]
+    print(
+        f"[vllm_frontend] instructions: {len(runs)} rounds under callgrind, {jobs} at a time (a few minutes each) ...",
+        file=log,
+        flush=True,
+    )
+    counted: dict[str, dict[str, Any]] = {}
+    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+        futures = {pool.submit(_counted, n, v, requests, tokens, running): n for n, v in runs}
+        for future in concurrent.futures.as_completed(futures):
+            name = futures[future]
+            counted[name] = future.result()
+            print(f"[vllm_frontend]   {name}: {counted[name]['per_token']:,.0f} per token", file=log, flush=True)
+    counted = {n: counted[n] for n, _ in runs}
+    stock = counted["stock"]
+    return {
+        "method": "instructions (valgrind callgrind) of the API-server process over one round per variant, each "
+        "in a process of its own after a warm-up round; every thread, the event loop's (valgrind's thread 1) "
+        "apart; span processor and stats-log timers held off (a round under callgrind lasts a minute)",
+        "load": {"requests": requests, "tokens_per_request": tokens, "output_tokens": requests * tokens},
+        "instructions": counted,
+        "over_stock": {n: ratio(c["per_token"], stock["per_token"]) for n, c in counted.items()},
+        "loop_over_stock": {n: ratio(c["loop_per_token"], stock["loop_per_token"]) for n, c in counted.items()},
+        "targets": {"otlp_over_stock": TARGET, "replace_over_stock": TARGET_REPLACE},
+    }
+
+
+def instruction_table_lines(r: dict[str, Any]) -> list[str]:
+    if "instructions" not in r:
+        return []
+    lines = [
+        f"8b. vLLM's API server, scripted engine core, instructions per output token ({r['load']['output_tokens']} "
+        "tokens, callgrind)",
+        "   variant       per token  ratio  loop thread ratio",
+    ]
+    for name, c in r["instructions"].items():
+        lines.append(
+            f"   {name:<12} {c['per_token']:10,.0f}  {r['over_stock'][name]:.4f}  {r['loop_over_stock'][name]:.4f}"
+        )
+    return lines
+
+
 def table_lines(r: dict[str, Any]) -> list[str]:
     if "cpu_per_token" not in r:
         return []
@@ -677,10 +804,32 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--running", type=int, default=4, help="requests scheduled at once (default 4)")
     p.add_argument("--no-profile", action="store_true", help="skip the profile by function")
     p.add_argument("--out", type=Path, default=HERE / "results.json", help="JSON to update (key vllm_frontend)")
+    p.add_argument(
+        "--instructions",
+        action="store_true",
+        help=f"instructions per output token under valgrind instead (a round per variant; key {INSTRUCTIONS_KEY})",
+    )
+    p.add_argument("--jobs", type=int, default=2, help="--instructions: rounds counted at once (default 2)")
+    p.add_argument(
+        "--variants", nargs="+", choices=VARIANTS, default=VARIANTS, help="--instructions: these only (stock always)"
+    )
     p.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--count-round", choices=VARIANTS, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.client:
         return client_main()
+    if args.count_round:
+        print(json.dumps(asyncio.run(_count_round(args.count_round, args.requests, args.tokens, args.running))))
+        return 0
+    if args.instructions:
+        if args.jobs < 1:
+            p.error("--jobs: at least 1")
+        return write_section(
+            INSTRUCTIONS_KEY,
+            args.out,
+            lambda: run_instructions(args.requests, args.tokens, args.running, args.jobs, args.variants),
+            instruction_table_lines,
+        )
     if args.rounds < 3:
         p.error("--rounds: at least 3")
     if args.requests < 1 or args.tokens < 3 or args.running < 1:
