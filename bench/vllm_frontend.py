@@ -22,6 +22,7 @@ Variants, interleaved round by round in this one process (the order rotated each
 - ``replace``: ``otlp`` with ``OTEL_LLM_VLLM_METRICS=replace`` (vLLM's own Prometheus logger not
   built; vLLM's ``/metrics`` answered by the plugin).
 
+The plugin's providers collect and export once before each round, as a running server's have.
 Per round: the API-server process's CPU seconds (``time.process_time``: every thread), the event
 loop's thread alone (``time.thread_time``), per output token; ratios against ``stock`` as the
 ratio of medians and the median (and quartiles) of the per-round ratios. Then a profile by
@@ -29,6 +30,10 @@ function (a sampler thread reading every thread's stack, one round per variant, 
 loop's thread and the others separately), and whether a ``/metrics`` scrape every 100 ms while
 the engine is busy stalls token streaming (the client's largest gap between two chunks of a
 stream, with and without). The result goes into bench/results.json under ``vllm_frontend``.
+
+``--instructions`` counts each variant's round instead in a process of its own under valgrind's
+callgrind (:mod:`bench.instructions`), into ``vllm_frontend_instructions``: the same work gives
+the same count, where CPU time here moves by 2x from round to round.
 """
 
 from __future__ import annotations
@@ -401,6 +406,11 @@ class Frontend:
                 break
             await asyncio.sleep(0.01)
         tokens = sum(s.tokens for s in specs)
+        handle = next((s.handle for s in llm.logger_manager.stat_loggers if hasattr(s, "handle")), None)
+        if handle is not None:
+            # A running server's providers have collected and exported before: the first
+            # collection (its views matched to every instrument) is paid once per process.
+            await asyncio.to_thread(handle.force_flush)
         gc.collect()
         try:
             with measure if measure is not None else contextlib.nullcontext():
@@ -411,7 +421,6 @@ class Frontend:
                 await asyncio.wait_for(core.finished.wait(), 60)
                 main_cpu = time.thread_time() - main0
                 # The round's telemetry leaves the process (its spans, a metrics export): counted, off the loop.
-                handle = next((s.handle for s in llm.logger_manager.stat_loggers if hasattr(s, "handle")), None)
                 if handle is not None:
                     await asyncio.to_thread(handle.force_flush)
                 cpu = time.process_time() - cpu0

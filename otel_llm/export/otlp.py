@@ -72,26 +72,60 @@ def export_bound_s(env: Mapping[str, str], signal: str, protocol: str) -> Option
     return DEFAULT_OTLP_TIMEOUT_S
 
 
+_URLS_KEPT = 16  # the environment's settings kept per session (an exporter sends to one URL)
+
+
 def _http_session() -> Any:
-    """A requests Session that keeps the exporter's CA file (OTEL_EXPORTER_OTLP_[SIGNAL_]CERTIFICATE).
+    """A requests Session that keeps the exporter's CA file (OTEL_EXPORTER_OTLP_[SIGNAL_]CERTIFICATE)
+    and reads the environment once per URL.
 
     requests lets REQUESTS_CA_BUNDLE / CURL_CA_BUNDLE, when set in the environment (common in
     containers), override a Session's ``verify``: the certificate variable was then silently
-    ignored and every export to a private-CA collector failed verification. None (the SDK's own
-    session) when a credential provider plugin supplies the session.
+    ignored and every export to a private-CA collector failed verification. requests also reads
+    the proxy variables and looks for ~/.netrc at every request, a fifth of an export's cost in
+    vLLM's API server: here once per URL. None (the SDK's own session) when a credential
+    provider plugin supplies the session.
     """
     if any(k.startswith("OTEL_PYTHON_EXPORTER_OTLP_HTTP") and k.endswith("CREDENTIAL_PROVIDER") for k in os.environ):
         return None
     import requests
+    from requests.auth import AuthBase
+    from requests.utils import get_netrc_auth
+
+    class _NoAuth(AuthBase):
+        """No credentials: ~/.netrc has none for the URL (and requests need not look again)."""
+
+        def __call__(self, r: Any) -> Any:
+            return r
 
     class _Session(requests.Session):
+        def __init__(self) -> None:
+            super().__init__()
+            self._settings: dict[tuple, dict[str, Any]] = {}
+            self._netrc: dict[str, Any] = {}
+
+        def prepare_request(self, request: Any) -> Any:
+            if self.trust_env and not request.auth and not self.auth:
+                url = request.url
+                if url not in self._netrc:
+                    self._netrc = self._netrc if len(self._netrc) < _URLS_KEPT else {}
+                    self._netrc[url] = get_netrc_auth(url) or _NoAuth()
+                request.auth = self._netrc[url]
+            return super().prepare_request(request)
+
         def merge_environment_settings(self, url, proxies, stream, verify, cert):
-            settings = super().merge_environment_settings(url, proxies, stream, verify, cert)
-            if verify is None and isinstance(self.verify, str):
-                settings["verify"] = self.verify
-            return settings
+            key = (url, tuple(sorted((proxies or {}).items())), stream, verify, cert)
+            settings = self._settings.get(key)
+            if settings is None:
+                settings = super().merge_environment_settings(url, proxies, stream, verify, cert)
+                if verify is None and isinstance(self.verify, str):
+                    settings["verify"] = self.verify
+                self._settings = self._settings if len(self._settings) < _URLS_KEPT else {}
+                self._settings[key] = settings
+            return {**settings, "proxies": dict(settings["proxies"])}
 
     return _Session()
+
 
 
 # (signal, protocol) -> the exporter class, by module and name (imported only when used).

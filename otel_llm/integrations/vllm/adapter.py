@@ -6,6 +6,7 @@ is the shell vLLM loads."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import logging
@@ -13,7 +14,8 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Iterable, Optional
+import weakref
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 from otel_llm.catalogue import drops
 from otel_llm.catalogue.metrics import METRICS, request_token_buckets
@@ -116,6 +118,9 @@ class VllmAdapter:
             if m.kind == "histogram" and self.series is not None and m.vllm in self.series.families
         ]
         self.telemetry: dict[int, EngineTelemetry] = {}
+        # Per engine: the steps kept to be translated together, and the call that does it.
+        self._kept: dict[int, collections.deque[tuple[Any, Any, Any, float]]] = {}
+        self._appliers: dict[int, Callable[[], None]] = {}
         for idx in engine_indexes:
             self._engine(idx)
         if self.series is not None:
@@ -211,6 +216,10 @@ class VllmAdapter:
                     tracer_provider=handle.tracer_provider,
                 )
             tel.metrics.show_zero_series(_finish_reasons(), self._zero_histograms)
+            self._kept[idx] = collections.deque()
+            # Through a weak reference: the adapter holding its own bound method would be a cycle
+            # that keeps a stopped adapter alive, listening to the deep hook, until a collection.
+            self._appliers[idx] = functools.partial(_record_kept, weakref.ref(self), tel, idx)
             self.telemetry[idx] = tel
         return tel
 
@@ -223,25 +232,47 @@ class VllmAdapter:
             self.call_series("record", scheduler_stats, iteration_stats, mm_cache_stats=mm_cache_stats, engine_idx=idx)
             return
         self.record_ended()
-        offset = time.time() - time.monotonic()
-        step = functools.partial(self._record, tel, idx, scheduler_stats, iteration_stats, mm_cache_stats, offset)
+        step = (scheduler_stats, iteration_stats, mm_cache_stats, time.time() - time.monotonic())
         if self.gauges is not None:  # other API servers read the published gauges: at once
-            step()
+            self._record(tel, idx, (step,))
             return
-        # Translated with the next steps' (defer_steps): between two engine steps the server's
-        # other work evicts the caches, and the translation costs two to three times more cold.
+        # Translated with the next steps' (defer_steps), all together: between two engine steps
+        # the server's other work evicts the caches, and the translation costs two to three
+        # times more cold; together, each step's share of the calls is smaller too.
+        self._kept[idx].append(step)
         idle = (
             scheduler_stats is not None
             and getattr(scheduler_stats, "num_running_reqs", None) == 0
             and getattr(scheduler_stats, "num_waiting_reqs", None) == 0
         )
-        tel.defer(step, idle)
+        tel.defer(self._appliers[idx], idle)
 
-    def _record(self, tel: Any, idx: int, sched: Any, it: Any, mm_cache_stats: Any, offset: float) -> None:
-        self.call_series("record", sched, it, mm_cache_stats=mm_cache_stats, engine_idx=idx)
-        if it is not None:
-            self._record_iteration(tel, it, offset)
-        self._record_step(tel, idx, sched, it, offset)
+    def _record_kept(self, tel: Any, idx: int) -> None:
+        """The steps kept for engine ``idx`` so far (the first of their deferred calls takes them
+        all, the others find none)."""
+        kept, steps = self._kept[idx], []
+        while kept:
+            try:
+                steps.append(kept.popleft())
+            except IndexError:  # taken by another thread
+                break
+        if steps:
+            try:
+                self._record(tel, idx, steps)
+            except Exception:
+                # Each step of the batch is lost: counted each (the caller counts and reports one).
+                tel.count_dropped(drops.INTERNAL_ERROR, len(steps) - 1)
+                raise
+
+    def _record(self, tel: Any, idx: int, steps: Sequence[tuple[Any, Any, Any, float]]) -> None:
+        if self.series is not None and self.series.source is None:  # vLLM's logger code runs here
+            for sched, it, mm_cache_stats, _ in steps:
+                self.call_series("record", sched, it, mm_cache_stats=mm_cache_stats, engine_idx=idx)
+        iterations = [(it, offset) for _, it, _, offset in steps if it is not None]
+        if iterations:
+            self._record_iterations(tel, iterations)
+        for sched, it, _, offset in steps:
+            self._record_step(tel, idx, sched, it, offset)
 
     def record_ended(self) -> None:
         """A span for each request the deep hook saw end without vLLM's FinishedRequestStats
@@ -353,33 +384,40 @@ class VllmAdapter:
             return None
         return int(computed + gen)
 
-    def _record_iteration(self, tel: Any, it: Any, offset: float) -> None:
+    def _record_iterations(self, tel: Any, iterations: Sequence[tuple[Any, float]]) -> None:
+        """Several steps' IterationStats: their latencies and counts in one call, then each
+        step's finished requests."""
         r = self.reader
-        ttfts = r.sequence(it, "time_to_first_tokens_iter", "vllm:time_to_first_token_seconds")
-        itls = r.sequence(it, "inter_token_latencies_iter", "vllm:inter_token_latency_seconds")
-        prompt = r.number(it, "num_prompt_tokens", "vllm:prompt_tokens")
-        gen = r.number(it, "num_generation_tokens", "vllm:generation_tokens")
-        preempted = r.number(it, "num_preempted_reqs", "vllm:num_preemptions")
+        ttfts: list[float] = []
+        itls: list[float] = []
+        prompt = gen = preempted = 0
+        for it, _ in iterations:
+            ttfts += r.sequence(it, "time_to_first_tokens_iter", "vllm:time_to_first_token_seconds")
+            itls += r.sequence(it, "inter_token_latencies_iter", "vllm:inter_token_latency_seconds")
+            prompt += int(r.number(it, "num_prompt_tokens", "vllm:prompt_tokens") or 0)
+            gen += int(r.number(it, "num_generation_tokens", "vllm:generation_tokens") or 0)
+            preempted += int(r.number(it, "num_preempted_reqs", "vllm:num_preemptions") or 0)
         tel.record_iteration(
             ttfts=ttfts,
             itls=itls,
-            prompt_tokens=int(prompt or 0),
-            generation_tokens=int(gen or 0),
-            num_preemptions=int(preempted or 0),
+            prompt_tokens=prompt,
+            generation_tokens=gen,
+            num_preemptions=preempted,
             preemption_reason=DEFAULT_PREEMPTION_REASON,
         )
-        finished = r.raw(it, "finished_requests", "the per-request metrics and spans")
-        if finished is MISSING or not finished:
-            return
-        ts = r.number(it, "iteration_timestamp", "span times")
-        finish_time = (ts - offset) if ts is not None else time.monotonic()
-        for f in list(finished):
-            deep = self._deep_hook.trace_of(f) if self._deep_hook is not None else None
-            summary = self._summary(f, finish_time, offset, deep)
-            if summary is not None:
-                # A request the deep hook already ended (cut short at shutdown) keeps its one span.
-                span = deep is None or not deep.ended
-                tel.record_finished(summary, deep.carrier if deep is not None else None, span=span)
+        for it, offset in iterations:
+            finished = r.raw(it, "finished_requests", "the per-request metrics and spans")
+            if finished is MISSING or not finished:
+                continue
+            ts = r.number(it, "iteration_timestamp", "span times")
+            finish_time = (ts - offset) if ts is not None else time.monotonic()
+            for f in list(finished):
+                deep = self._deep_hook.trace_of(f) if self._deep_hook is not None else None
+                summary = self._summary(f, finish_time, offset, deep)
+                if summary is not None:
+                    # A request the deep hook already ended (cut short at shutdown) keeps its one span.
+                    span = deep is None or not deep.ended
+                    tel.record_finished(summary, deep.carrier if deep is not None else None, span=span)
 
     def _summary(self, f: Any, finish_time: float, offset: float, deep: Any) -> Any:
         """The RequestSummary of one of vLLM's FinishedRequestStats; ``deep``: what the deep hook
@@ -525,6 +563,12 @@ def _shared_gauges(vllm_config: Any, series: Any, telemetry: dict[int, Any]) -> 
     except Exception:  # noqa: BLE001 - sharing is optional: per-process gauges stay
         _log.exception("otel-llm vLLM adapter: the scheduler gauges stay per API server, sharing them failed")
         return None
+
+
+def _record_kept(adapter: "weakref.ref[VllmAdapter]", tel: EngineTelemetry, idx: int) -> None:
+    live = adapter()
+    if live is not None:
+        live._record_kept(tel, idx)
 
 
 def _apply_kept_steps(telemetry: dict[int, EngineTelemetry]) -> None:
