@@ -127,7 +127,6 @@ def _http_session() -> Any:
     return _Session()
 
 
-
 # (signal, protocol) -> the exporter class, by module and name (imported only when used).
 _EXPORTERS = {
     ("metrics", "grpc"): ("opentelemetry.exporter.otlp.proto.grpc.metric_exporter", "OTLPMetricExporter"),
