@@ -56,7 +56,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, ContextManager, Optional, Sequence
+from typing import Any, AsyncIterator, ContextManager, Optional, Sequence
 
 from . import instructions
 from .common import median, otlp_receiver, ratio, write_section
@@ -574,8 +574,12 @@ def summarize(rounds: dict[str, list[dict[str, Any]]], field: str) -> dict[str, 
     return out
 
 
-async def _start_client() -> Any:
-    return await asyncio.create_subprocess_exec(
+@contextlib.asynccontextmanager
+async def _serving() -> AsyncIterator[tuple[Frontend, Any]]:
+    """vLLM's frontend on a tiny model, an OTLP receiver, and the client process."""
+    from otel_llm.testing.models import make_tiny_llama
+
+    client = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
         "bench.vllm_frontend",
@@ -584,55 +588,54 @@ async def _start_client() -> Any:
         stdout=asyncio.subprocess.PIPE,
         cwd=str(HERE.parent),
     )
-
-
-async def _run(rounds: int, requests: int, tokens: int, running: int, profile: bool, log: Any) -> dict[str, Any]:
-    from otel_llm.testing.models import make_tiny_llama
-
-    specs = round_specs(requests, tokens, running)
-    client = await _start_client()
     try:
         with tempfile.TemporaryDirectory(prefix="bench-vllm-frontend-") as tmp, otlp_receiver() as receiver:
             _vllm_environment(str(Path(tmp) / "cache"))
-            frontend = Frontend(make_tiny_llama(Path(tmp) / "tiny-llama"), receiver["http"])
-            for name in VARIANTS:  # warm-up, not counted
-                await frontend.round(name, specs, client)
-            print(f"[vllm_frontend] {rounds} rounds of {len(VARIANTS)} variants ...", file=log, flush=True)
-            results: dict[str, list[dict[str, Any]]] = {n: [] for n in VARIANTS}
-            for r in range(rounds):
-                order = VARIANTS[r % len(VARIANTS) :] + VARIANTS[: r % len(VARIANTS)]
-                for name in order:
-                    results[name].append(await frontend.round(name, specs, client))
-            scraped: dict[str, Any] = {}
-            for name in ("stock", "otlp", "replace"):
-                pair = [await frontend.round(name, specs, client, scrape=s) for s in (False, True, False, True)]
-                scraped[name] = {
-                    "max_gap_ms": {
-                        "quiet": [p["max_gap_ms"] for p in pair[::2]],
-                        "scraped": [p["max_gap_ms"] for p in pair[1::2]],
-                    },
-                    "p99_gap_ms": {
-                        "quiet": [p["p99_gap_ms"] for p in pair[::2]],
-                        "scraped": [p["p99_gap_ms"] for p in pair[1::2]],
-                    },
-                    "tokens_per_s": {
-                        "quiet": [p["tokens_per_s"] for p in pair[::2]],
-                        "scraped": [p["tokens_per_s"] for p in pair[1::2]],
-                    },
-                    "scrapes": [p["scrapes"] for p in pair[1::2]],
-                    "scrape_ms_median": [p["scrape_ms_median"] for p in pair[1::2]],
-                }
-            profiles: dict[str, Any] = {}
-            if profile:
-                for name in ("stock", "otlp", "replace"):
-                    profiler = Profile()
-                    for _ in range(PROFILE_ROUNDS):
-                        await frontend.round(name, specs, client, measure=profiler)
-                    profiles[name] = profiler.report()
+            yield Frontend(make_tiny_llama(Path(tmp) / "tiny-llama"), receiver["http"]), client
     finally:
         if client.stdin is not None:
             client.stdin.close()
         await asyncio.wait_for(client.wait(), 30)
+
+
+async def _run(rounds: int, requests: int, tokens: int, running: int, profile: bool, log: Any) -> dict[str, Any]:
+
+    specs = round_specs(requests, tokens, running)
+    async with _serving() as (frontend, client):
+        for name in VARIANTS:  # warm-up, not counted
+            await frontend.round(name, specs, client)
+        print(f"[vllm_frontend] {rounds} rounds of {len(VARIANTS)} variants ...", file=log, flush=True)
+        results: dict[str, list[dict[str, Any]]] = {n: [] for n in VARIANTS}
+        for r in range(rounds):
+            order = VARIANTS[r % len(VARIANTS) :] + VARIANTS[: r % len(VARIANTS)]
+            for name in order:
+                results[name].append(await frontend.round(name, specs, client))
+        scraped: dict[str, Any] = {}
+        for name in ("stock", "otlp", "replace"):
+            pair = [await frontend.round(name, specs, client, scrape=s) for s in (False, True, False, True)]
+            scraped[name] = {
+                "max_gap_ms": {
+                    "quiet": [p["max_gap_ms"] for p in pair[::2]],
+                    "scraped": [p["max_gap_ms"] for p in pair[1::2]],
+                },
+                "p99_gap_ms": {
+                    "quiet": [p["p99_gap_ms"] for p in pair[::2]],
+                    "scraped": [p["p99_gap_ms"] for p in pair[1::2]],
+                },
+                "tokens_per_s": {
+                    "quiet": [p["tokens_per_s"] for p in pair[::2]],
+                    "scraped": [p["tokens_per_s"] for p in pair[1::2]],
+                },
+                "scrapes": [p["scrapes"] for p in pair[1::2]],
+                "scrape_ms_median": [p["scrape_ms_median"] for p in pair[1::2]],
+            }
+        profiles: dict[str, Any] = {}
+        if profile:
+            for name in ("stock", "otlp", "replace"):
+                profiler = Profile()
+                for _ in range(PROFILE_ROUNDS):
+                    await frontend.round(name, specs, client, measure=profiler)
+                profiles[name] = profiler.report()
     return {
         "method": "vLLM's real API server (OpenAI completions, streaming, uvicorn; AsyncLLM, OutputProcessor, "
         "StatLoggerManager) in this process, a scripted engine core in place of the engine-core process (lockstep: "
@@ -672,7 +675,6 @@ def run(
 
 async def _count_round(variant: str, requests: int, tokens: int, running: int) -> dict[str, Any]:
     """A warm-up round, then one counted (run under callgrind by :func:`run_instructions`)."""
-    from otel_llm.testing.models import make_tiny_llama
 
     window = instructions.Window()
     if not window.under_callgrind():
@@ -682,17 +684,9 @@ async def _count_round(variant: str, requests: int, tokens: int, running: int) -
     os.environ["OTEL_BSP_SCHEDULE_DELAY"] = "600000"
     os.environ["VLLM_LOG_STATS_INTERVAL"] = "600"
     specs = round_specs(requests, tokens, running)
-    client = await _start_client()
-    try:
-        with tempfile.TemporaryDirectory(prefix="bench-vllm-frontend-") as tmp, otlp_receiver() as receiver:
-            _vllm_environment(str(Path(tmp) / "cache"))
-            frontend = Frontend(make_tiny_llama(Path(tmp) / "tiny-llama"), receiver["http"])
-            await frontend.round(variant, specs, client)
-            return await frontend.round(variant, specs, client, measure=window)
-    finally:
-        if client.stdin is not None:
-            client.stdin.close()
-        await asyncio.wait_for(client.wait(), 30)
+    async with _serving() as (frontend, client):
+        await frontend.round(variant, specs, client)
+        return await frontend.round(variant, specs, client, measure=window)
 
 
 def _counted(name: str, variant: str, requests: int, tokens: int, running: int) -> dict[str, Any]:
