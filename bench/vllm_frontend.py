@@ -599,7 +599,6 @@ async def _serving() -> AsyncIterator[tuple[Frontend, Any]]:
 
 
 async def _run(rounds: int, requests: int, tokens: int, running: int, profile: bool, log: Any) -> dict[str, Any]:
-
     specs = round_specs(requests, tokens, running)
     async with _serving() as (frontend, client):
         for name in VARIANTS:  # warm-up, not counted
@@ -673,9 +672,9 @@ def run(
 # Instructions per output token: each variant's round in a process of its own under callgrind
 
 
-async def _count_round(variant: str, requests: int, tokens: int, running: int) -> dict[str, Any]:
-    """A warm-up round, then one counted (run under callgrind by :func:`run_instructions`)."""
-
+async def _count_round(variant: str, requests: int, tokens: int, running: int) -> None:
+    """A warm-up round, then one counted (run under callgrind by :func:`run_instructions`; the
+    round itself checks that every token was streamed)."""
     window = instructions.Window()
     if not window.under_callgrind():
         raise RuntimeError("--count-round runs under callgrind: use --instructions")
@@ -686,7 +685,7 @@ async def _count_round(variant: str, requests: int, tokens: int, running: int) -
     specs = round_specs(requests, tokens, running)
     async with _serving() as (frontend, client):
         await frontend.round(variant, specs, client)
-        return await frontend.round(variant, specs, client, measure=window)
+        await frontend.round(variant, specs, client, measure=window)
 
 
 def _counted(name: str, variant: str, requests: int, tokens: int, running: int) -> dict[str, Any]:
@@ -706,7 +705,7 @@ def _counted(name: str, variant: str, requests: int, tokens: int, running: int) 
             proc = subprocess.run(
                 [*instructions.command(out), sys.executable, "-m", "bench.vllm_frontend", *argv],
                 cwd=str(HERE.parent),
-                stdout=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
                 stderr=err,
                 timeout=COUNT_TIMEOUT_S,
             )
@@ -821,8 +820,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = p.parse_args(argv)
     if args.client:
         return client_main()
+    if args.requests < 1 or args.tokens < 3 or args.running < 1:
+        p.error("--requests, --running: at least 1; --tokens: at least 3")
     if args.count_round:
-        print(json.dumps(asyncio.run(_count_round(args.count_round, args.requests, args.tokens, args.running))))
+        asyncio.run(_count_round(args.count_round, args.requests, args.tokens, args.running))
         return 0
     if args.instructions:
         if args.jobs < 1:
@@ -835,8 +836,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         )
     if args.rounds < 3:
         p.error("--rounds: at least 3")
-    if args.requests < 1 or args.tokens < 3 or args.running < 1:
-        p.error("--requests, --running: at least 1; --tokens: at least 3")
     return write_section(
         KEY,
         args.out,

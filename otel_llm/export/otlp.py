@@ -108,7 +108,8 @@ def _http_session() -> Any:
             if self.trust_env and not request.auth and not self.auth:
                 url = request.url
                 if url not in self._netrc:
-                    self._netrc = self._netrc if len(self._netrc) < _URLS_KEPT else {}
+                    if len(self._netrc) >= _URLS_KEPT:
+                        self._netrc.clear()
                     self._netrc[url] = get_netrc_auth(url) or _NoAuth()
                 request.auth = self._netrc[url]
             return super().prepare_request(request)
@@ -120,7 +121,8 @@ def _http_session() -> Any:
                 settings = super().merge_environment_settings(url, proxies, stream, verify, cert)
                 if verify is None and isinstance(self.verify, str):
                     settings["verify"] = self.verify
-                self._settings = self._settings if len(self._settings) < _URLS_KEPT else {}
+                if len(self._settings) >= _URLS_KEPT:
+                    self._settings.clear()
                 self._settings[key] = settings
             return {**settings, "proxies": dict(settings["proxies"])}
 

@@ -265,7 +265,7 @@ class VllmAdapter:
                 raise
 
     def _record(self, tel: Any, idx: int, steps: Sequence[tuple[Any, Any, Any, float]]) -> None:
-        if self.series is not None and self.series.source is None:  # vLLM's logger code runs here
+        if self._runs_series():
             for sched, it, mm_cache_stats, _ in steps:
                 self.call_series("record", sched, it, mm_cache_stats=mm_cache_stats, engine_idx=idx)
         iterations = [(it, offset) for _, it, _, offset in steps if it is not None]
@@ -327,10 +327,15 @@ class VllmAdapter:
         except Exception:  # noqa: BLE001 - a flush must not raise into vLLM
             _log.exception("otel-llm: flushing the telemetry failed")
 
+    def _runs_series(self) -> bool:
+        """vLLM's logger code runs here for the series beyond the core (they are not read from
+        vLLM's own logger)."""
+        return self.series is not None and self.series.source is None
+
     def call_series(self, method: str, *args: Any, **kwargs: Any) -> None:
         """One of vLLM's own logger methods on :class:`VllmSeries` (none when the series are read
         from vLLM's own logger); a failure is reported once and leaves the core telemetry untouched."""
-        if self.series is None or self.series.source is not None:
+        if not self._runs_series():
             return
         try:
             getattr(self.series.logger, method)(*args, **kwargs)
