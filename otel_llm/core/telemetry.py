@@ -76,7 +76,8 @@ class EngineTelemetry:
     (spans.AssembledSpans) when the TracerProvider is the SDK's; "tracer" goes through the Tracer
     API. ``logger_provider``: where preemptions go as log-based events when
     ``config.preemption_events`` is "log" or "both" (None: the global LoggerProvider).
-    ``metrics``, ``spans`` and ``tracker`` are the parts it is made of, for tests to look into.
+    ``metrics``, ``spans`` and ``tracker`` are the parts it is made of, for tests to look into;
+    ``exemplar_filter`` is the filter in effect (always_on, always_off or trace_based).
     """
 
     def __init__(
@@ -93,7 +94,7 @@ class EngineTelemetry:
             raise ValueError(f"span_path: {span_path!r} is not one of {SPAN_PATHS}")
         self.config = config = config or TelemetryConfig()
         self.metrics: Recorder = _recorder(meter_provider or metrics_api.get_meter_provider(), config, metric_path)
-        exemplar_filter = (
+        self.exemplar_filter = exemplar_filter = (
             config.exemplar_filter or os.environ.get("OTEL_METRICS_EXEMPLAR_FILTER", "") or "trace_based"
         ).lower()
         self.spans = (

@@ -10,7 +10,7 @@ import logging
 import os
 import threading
 import weakref
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
 from opentelemetry.metrics import CallbackOptions, Meter, MeterProvider, Observation
 
@@ -57,6 +57,8 @@ class ProviderInstruments:
         self.shown: set[int] = set()
         # Telemetries that keep event batches (TelemetryConfig.defer_steps): applied at collection.
         self.deferring: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        # Metrics (by key) exported from another source at collection, not from the recorders.
+        self.elsewhere: dict[str, Callable[[], Iterable[Observation]]] = {}
         for m in METRICS:
             name = m.instrument_name(self.naming)
             if m.kind == "counter":
@@ -87,6 +89,10 @@ class ProviderInstruments:
     def _counter_callback(self, key: str) -> Callable[[CallbackOptions], Iterator[Observation]]:
         def callback(_: CallbackOptions) -> Iterator[Observation]:
             self.before_collect()
+            source = self.elsewhere.get(key)
+            if source is not None:
+                yield from source()
+                return
             totals: dict[tuple, tuple[dict[str, str], int]] = {}
             for recorder in list(self.recorders):
                 for attrs, value in recorder.counter_values(key):
@@ -101,6 +107,10 @@ class ProviderInstruments:
     def _gauge_callback(self, key: str) -> Callable[[CallbackOptions], Iterator[Observation]]:
         def callback(_: CallbackOptions) -> Iterator[Observation]:
             self.before_collect()
+            source = self.elsewhere.get(key)
+            if source is not None:
+                yield from source()
+                return
             for recorder in list(self.recorders):
                 value = recorder.gauge_value(key)
                 if value is not None:
@@ -111,6 +121,10 @@ class ProviderInstruments:
     def _histogram_callback(self, key: str) -> Callable[[CallbackOptions], Iterator[Observation]]:
         def callback(_: CallbackOptions) -> Iterator[Observation]:
             self.before_collect()
+            source = self.elsewhere.get(key)
+            if source is not None:
+                yield from source()
+                return
             for (cell_key, _attrs), cell in list(self.cells.items()):
                 if cell_key == key and (any(cell.counts) or id(cell) in self.shown):
                     yield cell.observation()
@@ -214,6 +228,12 @@ class InProcessRecorder:
 
     def set_gauge_source(self, source: GaugeSource) -> None:
         self._gauge_source = source
+
+    def read_elsewhere(self, sources: Mapping[str, Callable[[], Iterable[Observation]]]) -> None:
+        """Export the metrics ``sources`` names (by key) from their source at collection, for
+        every recorder of this MeterProvider, which are no longer read for them; the metrics
+        named before and not now are read from the recorders again."""
+        self.instruments.elsewhere = dict(sources)
 
     def preempted(self, reason: str, num_computed_tokens: int) -> None:
         counts = self.counts

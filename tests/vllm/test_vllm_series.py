@@ -11,6 +11,7 @@ import time
 import urllib.request
 
 import pytest
+from conftest import VLLM_PREEMPTION_BUCKETS
 from samples import otel_samples, vllm_samples
 
 from otel_llm.testing.vllm.stream import build, default_specs, run
@@ -217,3 +218,59 @@ def test_beside_vllms_logger_its_series_are_read_not_recorded_again(otel, vllm_c
     assert got[("vllm:admission_rejections_total", rejected)] == 2
     labels = frozenset({"model_name": model, "engine": "0"}.items())
     assert got[("vllm:request_prefill_kv_computed_tokens_count", labels)] == len(default_specs())
+
+
+@pytest.mark.parametrize("exemplar_filter, steps_read", [("trace_based", True), ("always_on", False)])
+def test_with_its_own_providers_the_per_step_core_series_are_vllms_read_at_collection(
+    plugin_endpoint, model_dir, monkeypatch, exemplar_filter, steps_read
+):
+    """Beside vLLM's own logger, on the providers the plugin builds, the core series that vLLM's
+    logger records each engine step (latencies, iteration tokens, token and preemption counters,
+    scheduler gauges) are read from it at collection: the plugin records nothing for them per
+    step, and every vLLM series on our endpoint has vLLM's value. With ``always_on`` exemplars
+    (which those series then carry) the plugin records them itself, with the same values."""
+    from prometheus_client import REGISTRY, generate_latest
+    from vllm.v1.metrics.loggers import StatLoggerManager, load_stat_logger_plugin_factories
+
+    from otel_llm.integrations.vllm import OtelStatLogger
+
+    monkeypatch.setenv("OTEL_METRICS_EXEMPLAR_FILTER", exemplar_filter)
+    monkeypatch.setenv("OTEL_LLM_PREEMPTION_BUCKETS", ",".join(map(str, VLLM_PREEMPTION_BUCKETS)))
+    vllm_config = _config(model_dir)
+    manager = StatLoggerManager(
+        vllm_config,
+        engine_idxs=[0, 1],
+        custom_stat_loggers=load_stat_logger_plugin_factories(),
+        enable_default_loggers=False,
+    )
+    (ours,) = [s for s in manager.stat_loggers if isinstance(s, OtelStatLogger)]
+    impl = ours._impl
+    assert impl.steps_read is steps_read
+    now_m, now_w = time.monotonic(), time.time()
+    streams = {0: build(default_specs("e0-"), now_m, now_w), 1: build(default_specs("e1-")[:4], now_m, now_w)}
+    run(manager, streams)
+    with urllib.request.urlopen(f"http://127.0.0.1:{impl.handle.prometheus_port}/metrics", timeout=30) as response:
+        got = _samples(response.read().decode())
+    expected = _samples(generate_latest(REGISTRY).decode())
+
+    recorded = [(sum(t.metrics.h_ttft.counts), t.metrics.counts["generation_tokens"]) for t in impl.telemetry.values()]
+    if steps_read:
+        assert recorded == [(0, 0), (0, 0)]
+    else:
+        assert all(ttft > 0 and tokens > 0 for ttft, tokens in recorded), recorded
+    missing = sorted(k for k in expected if k not in got)
+    differ = {k: (v, got[k]) for k, v in expected.items() if k in got and v != got[k]}
+    assert not missing, missing[:10]
+    assert not differ, differ
+    # Beyond vLLM's: preemptions by reason (vLLM's, all kv_cache_full), and no recomputed tokens.
+    extra = {name for name, _ in set(got) - set(expected)}
+    assert extra == {"vllm:num_preemptions_by_reason_total", "vllm:num_recomputed_tokens_total"}
+    model = vllm_config.model_config.served_model_name
+    for engine, preemptions in (("0", 11), ("1", 3)):
+        labels = {"model_name": model, "engine": engine}
+        assert expected[("vllm:num_preemptions_total", frozenset(labels.items()))] == preemptions
+        by_reason = frozenset({**labels, "reason": "kv_cache_full"}.items())
+        assert got[("vllm:num_preemptions_by_reason_total", by_reason)] == preemptions
+        assert got[("vllm:num_recomputed_tokens_total", frozenset(labels.items()))] == 0
+        tokens = sum(s.tokens for s in streams[int(engine)].specs)
+        assert got[("vllm:generation_tokens_total", frozenset(labels.items()))] == tokens

@@ -1,6 +1,8 @@
 """The vLLM adapter: vLLM's ``SchedulerStats`` and ``IterationStats``, per engine step, translated
 into the core telemetry (one :class:`~otel_llm.core.telemetry.EngineTelemetry` per engine index),
-and vLLM's own series beyond the core (:mod:`otel_llm.integrations.vllm.series`). Independent of
+and vLLM's own series beyond the core (:mod:`otel_llm.integrations.vllm.series`). Beside vLLM's
+own logger the core series it records at each step are read from it (:data:`STEP_SERIES`), and
+only the finished requests are translated. Independent of
 vLLM's base classes, so it is testable without vLLM; :mod:`otel_llm.integrations.vllm.stat_logger`
 is the shell vLLM loads."""
 
@@ -15,15 +17,16 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 from otel_llm.catalogue import drops
-from otel_llm.catalogue.metrics import METRICS, request_token_buckets
+from otel_llm.catalogue.metrics import BY_KEY, METRICS, base_attributes, label_key, request_token_buckets
 from otel_llm.config.settings import TelemetryConfig
 from otel_llm.core.telemetry import EngineTelemetry
 from otel_llm.events import StepStats
 from otel_llm.integrations.vllm import handle as shared_handle
 from otel_llm.integrations.vllm.fields import MISSING, FieldReader
+from otel_llm.recording.in_process import InProcessRecorder
 from otel_llm.summary import ENGINE_DEAD, SHUTDOWN
 
 _log = logging.getLogger("otel_llm.integrations.vllm")  # one logger for the vLLM adapter, whichever module logs
@@ -32,6 +35,18 @@ DEFAULT_PREEMPTION_REASON = "kv_cache_full"
 SIBLING_SPAN_NAME = "llm_request.scheduling"  # our span's name when vLLM traces requests itself
 PROVIDER_NAME = "vllm"  # gen_ai.provider.name unless OTEL_LLM_PROVIDER_NAME says otherwise
 MAX_ENGINES = 1024  # engine indexes tracked by one logger (elastic EP may add some at run time)
+# The core metrics that vLLM's own logger records at each engine step, as the adapter would.
+STEP_SERIES = (
+    "time_to_first_token_seconds",
+    "inter_token_latency_seconds",
+    "iteration_tokens_total",
+    "prompt_tokens",
+    "generation_tokens",
+    "num_preemptions",
+    "num_requests_running",
+    "num_requests_waiting",
+    "kv_cache_usage_perc",
+)
 
 
 class VllmAdapter:
@@ -133,6 +148,8 @@ class VllmAdapter:
             from prometheus_client import REGISTRY
 
             self.series.read_from(REGISTRY)
+        # Read from vLLM's logger at collection, those series are translated at no step.
+        self.steps_read = self._read_step_series(served)
         self._last_sched: dict[int, tuple[int, int, float]] = {}
         self._deep_hook = None
         from otel_llm.integrations.vllm import deep_hook as vllm_deep_hook
@@ -140,6 +157,48 @@ class VllmAdapter:
         if vllm_deep_hook.enabled() and vllm_deep_hook.install():
             self._deep_hook = vllm_deep_hook
             vllm_deep_hook.listen(self.stopped)
+
+    def _read_step_series(self, served: Optional[str]) -> bool:
+        """Export the core series of :data:`STEP_SERIES` from vLLM's own logger, which records
+        them at each step as this adapter would (vLLM's names, labels, buckets and values), where
+        the series beyond the core are read from it too, and where what is exported stays the
+        same: the ``vllm`` naming profile, vLLM's model name, explicit buckets equal to vLLM's, no
+        exemplars on them (``always_on`` gives them some, without a trace), and providers that
+        only this plugin records into. Preemptions by reason are vLLM's preemptions, all
+        ``kv_cache_full``."""
+        series, config = self.series, self.config
+        recorders = [tel.metrics for tel in self.telemetry.values()]
+        in_process = [m for m in recorders if isinstance(m, InProcessRecorder)]
+        if not in_process or len(in_process) != len(recorders):
+            return False
+        sources: dict[str, Callable[[], Iterable[Any]]] = {}
+        if (
+            series is not None
+            and series.source is not None
+            and shared_handle.owned()
+            and config.naming == "vllm"
+            and self.model_name == served
+            and all(tel.exemplar_filter != "always_on" for tel in self.telemetry.values())
+        ):
+            labels = set(base_attributes(config))
+            for key in STEP_SERIES:
+                m = BY_KEY[key]
+                family = series.families.get(m.vllm)
+                if family is None or family.kind != m.kind or set(family.labelnames) != labels:
+                    sources.clear()
+                    break
+                if m.kind == "histogram" and (
+                    m.exponential(config) or tuple(map(float, m.boundaries(config))) != family.bounds
+                ):
+                    sources.clear()
+                    break
+                sources[key] = functools.partial(series.read, family)
+            if sources:
+                sources["num_preemptions_by_reason"] = functools.partial(
+                    _by_reason, sources["num_preemptions"], label_key(config, "reason")
+                )
+        in_process[0].read_elsewhere(sources)  # none: a series this provider read before is recorded again
+        return bool(sources)
 
     def _vllm_facing_reader(self) -> list[Any]:
         from vllm.v1.metrics.prometheus import get_prometheus_registry
@@ -232,8 +291,11 @@ class VllmAdapter:
             self.call_series("record", scheduler_stats, iteration_stats, mm_cache_stats=mm_cache_stats, engine_idx=idx)
             return
         self.record_ended()
+        if self.steps_read and not getattr(iteration_stats, "finished_requests", None):
+            return  # only the finished requests are left to translate, a few steps in a hundred
         step = (scheduler_stats, iteration_stats, mm_cache_stats, time.time() - time.monotonic())
-        if self.gauges is not None:  # other API servers read the published gauges: at once
+        # At once: other API servers read the published gauges; finished requests are few.
+        if self.gauges is not None or self.steps_read:
             self._record(tel, idx, (step,))
             return
         # Translated with the next steps' (defer_steps), all together: between two engine steps
@@ -269,10 +331,12 @@ class VllmAdapter:
             for sched, it, mm_cache_stats, _ in steps:
                 self.call_series("record", sched, it, mm_cache_stats=mm_cache_stats, engine_idx=idx)
         iterations = [(it, offset) for _, it, _, offset in steps if it is not None]
-        if iterations:
-            self._record_iterations(tel, iterations)
-        for sched, it, _, offset in steps:
-            self._record_step(tel, idx, sched, it, offset)
+        if not self.steps_read:
+            if iterations:
+                self._record_iteration_counts(tel, iterations)
+            for sched, it, _, offset in steps:
+                self._record_step(tel, idx, sched, it, offset)
+        self._record_finished(tel, iterations)
 
     def record_ended(self) -> None:
         """A span for each request the deep hook saw end without vLLM's FinishedRequestStats
@@ -389,9 +453,8 @@ class VllmAdapter:
             return None
         return int(computed + gen)
 
-    def _record_iterations(self, tel: Any, iterations: Sequence[tuple[Any, float]]) -> None:
-        """Several steps' IterationStats: their latencies and counts in one call, then each
-        step's finished requests."""
+    def _record_iteration_counts(self, tel: Any, iterations: Sequence[tuple[Any, float]]) -> None:
+        """Several steps' IterationStats: their latencies and counts in one call."""
         r = self.reader
         ttfts: list[float] = []
         itls: list[float] = []
@@ -410,6 +473,10 @@ class VllmAdapter:
             num_preemptions=preempted,
             preemption_reason=DEFAULT_PREEMPTION_REASON,
         )
+
+    def _record_finished(self, tel: Any, iterations: Sequence[tuple[Any, float]]) -> None:
+        """The finished requests of several steps' IterationStats: metrics and spans."""
+        r = self.reader
         for it, offset in iterations:
             finished = r.raw(it, "finished_requests", "the per-request metrics and spans")
             if finished is MISSING or not finished:
@@ -574,6 +641,16 @@ def _record_kept(adapter: "weakref.ref[VllmAdapter]", tel: EngineTelemetry, idx:
     live = adapter()
     if live is not None:
         live._record_kept(tel, idx)
+
+
+def _by_reason(read: Callable[[], Iterable[Any]], label: str) -> Iterator[Any]:
+    """Preemptions by reason as read from vLLM's count of preemptions, every one for the KV
+    cache (series from the first preemption on, as when recorded)."""
+    from opentelemetry.metrics import Observation
+
+    for o in read():
+        if o.value:
+            yield Observation(o.value, {**o.attributes, label: DEFAULT_PREEMPTION_REASON})
 
 
 def _apply_kept_steps(telemetry: dict[int, EngineTelemetry]) -> None:

@@ -65,6 +65,11 @@ def current() -> Any:
     return _handle
 
 
+def owned() -> bool:
+    """The handle in use was built here: nothing but this plugin records into its providers."""
+    return _handle_owned
+
+
 def answers_vllm() -> bool:
     """The handle in use was built with the reader that answers vLLM's /metrics."""
     return _answers_vllm

@@ -13,7 +13,8 @@ recording families of its own, so the names, labels, buckets, zero series create
 and values are vLLM's by construction, for whatever vLLM version and settings are running.
 
 Families that the core telemetry already exports (``vllm:`` names of :data:`otel_llm.catalogue.metrics.METRICS`)
-are left to it: here they record nothing. The rest are OpenTelemetry observable instruments
+are left to it: here they record nothing (beside vLLM's logger, the adapter has those of each step
+read from vLLM's registry by :meth:`VllmSeries.read` too). The rest are OpenTelemetry observable instruments
 reading plain Python values (a histogram is an :class:`~otel_llm.recording.cells.HistogramCell`),
 renamed to vLLM's ``vllm:`` names by Views, which must exist when the MeterProvider is built:
 ``setup_telemetry(config, extra_views=series.views())`` (the plugin does this itself). In the
