@@ -59,14 +59,10 @@ class ProviderInstruments:
         self.deferring: "weakref.WeakSet[Any]" = weakref.WeakSet()
         # Metrics (by key) exported from another source at collection, not from the recorders.
         self.elsewhere: dict[str, Callable[[], Iterable[Observation]]] = {}
+        own = {"counter": self._counter_values, "gauge": self._gauge_values, "histogram": self._histogram_values}
         for m in METRICS:
-            name = m.instrument_name(self.naming)
-            if m.kind == "counter":
-                meter.create_observable_counter(name, [self._counter_callback(m.key)], m.unit, m.meaning)
-            elif m.kind == "gauge":
-                meter.create_observable_gauge(name, [self._gauge_callback(m.key)], m.unit, m.meaning)
-            else:
-                meter.create_observable_counter(name, [self._histogram_callback(m.key)], m.unit, m.meaning)
+            create = meter.create_observable_gauge if m.kind == "gauge" else meter.create_observable_counter
+            create(m.instrument_name(self.naming), [self._callback(m.key, own[m.kind])], m.unit, m.meaning)
 
     def cell(
         self, key: str, bounds: tuple[float, ...], attributes: dict[str, str], exponential: bool = False
@@ -86,50 +82,39 @@ class ProviderInstruments:
             except Exception:  # noqa: BLE001 - never into the SDK's collection
                 _log.warning("otel_llm: applying pending events at collection failed", exc_info=True)
 
-    def _counter_callback(self, key: str) -> Callable[[CallbackOptions], Iterator[Observation]]:
+    def _callback(
+        self, key: str, own: Callable[[str], Iterator[Observation]]
+    ) -> Callable[[CallbackOptions], Iterator[Observation]]:
+        """The instrument's callback: ``key``'s observations from its source elsewhere if it has
+        one, else ``own``'s (what the recorders hold)."""
+
         def callback(_: CallbackOptions) -> Iterator[Observation]:
             self.before_collect()
             source = self.elsewhere.get(key)
-            if source is not None:
-                yield from source()
-                return
-            totals: dict[tuple, tuple[dict[str, str], int]] = {}
-            for recorder in list(self.recorders):
-                for attrs, value in recorder.counter_values(key):
-                    ident = tuple(sorted(attrs.items()))
-                    previous = totals.get(ident)
-                    totals[ident] = (attrs, value + (previous[1] if previous else 0))
-            for attrs, value in totals.values():
-                yield Observation(value, attrs)
+            yield from source() if source is not None else own(key)
 
         return callback
 
-    def _gauge_callback(self, key: str) -> Callable[[CallbackOptions], Iterator[Observation]]:
-        def callback(_: CallbackOptions) -> Iterator[Observation]:
-            self.before_collect()
-            source = self.elsewhere.get(key)
-            if source is not None:
-                yield from source()
-                return
-            for recorder in list(self.recorders):
-                value = recorder.gauge_value(key)
-                if value is not None:
-                    yield Observation(value, recorder.attributes)
+    def _counter_values(self, key: str) -> Iterator[Observation]:
+        totals: dict[tuple, tuple[dict[str, str], int]] = {}
+        for recorder in list(self.recorders):
+            for attrs, value in recorder.counter_values(key):
+                ident = tuple(sorted(attrs.items()))
+                previous = totals.get(ident)
+                totals[ident] = (attrs, value + (previous[1] if previous else 0))
+        for attrs, value in totals.values():
+            yield Observation(value, attrs)
 
-        return callback
+    def _gauge_values(self, key: str) -> Iterator[Observation]:
+        for recorder in list(self.recorders):
+            value = recorder.gauge_value(key)
+            if value is not None:
+                yield Observation(value, recorder.attributes)
 
-    def _histogram_callback(self, key: str) -> Callable[[CallbackOptions], Iterator[Observation]]:
-        def callback(_: CallbackOptions) -> Iterator[Observation]:
-            self.before_collect()
-            source = self.elsewhere.get(key)
-            if source is not None:
-                yield from source()
-                return
-            for (cell_key, _attrs), cell in list(self.cells.items()):
-                if cell_key == key and (any(cell.counts) or id(cell) in self.shown):
-                    yield cell.observation()
-
-        return callback
+    def _histogram_values(self, key: str) -> Iterator[Observation]:
+        for (cell_key, _attrs), cell in list(self.cells.items()):
+            if cell_key == key and (any(cell.counts) or id(cell) in self.shown):
+                yield cell.observation()
 
 
 _by_provider: "weakref.WeakKeyDictionary[Any, ProviderInstruments]" = weakref.WeakKeyDictionary()

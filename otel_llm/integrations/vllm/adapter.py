@@ -184,11 +184,12 @@ class VllmAdapter:
             for key in STEP_SERIES:
                 m = BY_KEY[key]
                 family = series.families.get(m.vllm)
-                if family is None or family.kind != m.kind or set(family.labelnames) != labels:
-                    sources.clear()
-                    break
-                if m.kind == "histogram" and (
-                    m.exponential(config) or tuple(map(float, m.boundaries(config))) != family.bounds
+                if (
+                    family is None
+                    or family.kind != m.kind
+                    or set(family.labelnames) != labels
+                    or (m.kind == "histogram" and tuple(map(float, m.boundaries(config))) != family.bounds)
+                    or m.exponential(config)
                 ):
                     sources.clear()
                     break
