@@ -12,6 +12,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Mapping, Optional
 
 from otel_llm.config.settings import TelemetryConfig
+from otel_llm.export.span_encoding import OwnEncoding
 
 DEFAULT_OTLP_PROTOCOL = "grpc"
 DEFAULT_OTLP_TIMEOUT_S = 10.0
@@ -142,11 +143,11 @@ _EXPORTERS = {
 
 def exporter(config: TelemetryConfig, env: Mapping[str, str], signal: str) -> Any:
     """The OTLP exporter of ``signal`` ("metrics", "traces" or "logs"); the rest of its settings
-    (headers, TLS, compression, timeout, temporality) it reads from the environment itself."""
+    (headers, TLS, compression, timeout, temporality) it reads from the environment itself.
+    Spans are encoded by otel_llm (:mod:`otel_llm.export.span_encoding`)."""
     proto = protocol(config, env, signal)
     url = endpoint(config, env, signal, proto)
     module, name = _EXPORTERS[(signal, proto)]
     cls = getattr(importlib.import_module(module), name)
-    if proto == "grpc":
-        return cls(endpoint=url)
-    return cls(endpoint=url, session=_http_session())
+    made = cls(endpoint=url) if proto == "grpc" else cls(endpoint=url, session=_http_session())
+    return OwnEncoding(made) if signal == "traces" else made

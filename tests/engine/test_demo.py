@@ -113,7 +113,7 @@ def test_demo_summary_matches_its_metrics_endpoint(tmp_path: Path) -> None:
         )
     try:
         lines, url = read_until_serving(proc)
-        with urllib.request.urlopen(url, timeout=10) as response:
+        with urllib.request.urlopen(url, timeout=READY_TIMEOUT) as response:
             samples = parse_scrape(response.read().decode())
         proc.send_signal(signal.SIGINT)  # stop serving: the demo shuts down cleanly
         assert proc.wait(timeout=60) == 0, (tmp_path / "stderr.txt").read_text()
