@@ -70,19 +70,25 @@ def test_expressions_sum_the_processes_into_one_series_per_model_and_engine(
     try:
         assert [h.prometheus_port for h in handles] == [base + i for i in range(PROCESSES)]
         prometheus.wait_for(f"count({preemptions_total})", lambda r: r and r[0]["value"][1] == str(PROCESSES), 20)
-        preemptions = 0
-        for handle in handles:
+
+        def run(handle: otel_llm.TelemetryHandle) -> int:
             engine = Engine(preempting_engine_config())
             engine.hooks.subscribe(handle.telemetry)
             add_requests(engine)
-            preemptions += sum(o.num_preemptions for o in engine.run())
+            return sum(o.num_preemptions for o in engine.run())
+
+        # A histogram series appears at its first observation, and rate() misses the increase a
+        # series was born with: the first process's runs are scraped apart, its second one counts.
+        preemptions = run(handles[0])
+        prometheus.wait_for(f"sum({count})", lambda r: r and float(r[0]["value"][1]) == NUM_REQUESTS, timeout=20)
+        preemptions += sum(run(handle) for handle in handles)
         handles[0].telemetry.on_events([RequestEvent(EventType.TOKENS, "ghost", 1.0, num_tokens=1)])  # one drop
-        total = PROCESSES * NUM_REQUESTS
+        total = (PROCESSES + 1) * NUM_REQUESTS
         prometheus.wait_for(f"sum({count})", lambda r: r and float(r[0]["value"][1]) == total, timeout=20)
         assert float(query(prometheus, f"sum({preemptions_total})")["data"]["result"][0]["value"][1]) == preemptions
         # Per target: each process's own series (two instances, the same model and engine).
         per_instance = query(prometheus, count)["data"]["result"]
-        assert sorted(float(s["value"][1]) for s in per_instance) == [NUM_REQUESTS] * PROCESSES
+        assert sorted(float(s["value"][1]) for s in per_instance) == [NUM_REQUESTS, 2 * NUM_REQUESTS]
         assert len({s["metric"]["instance"] for s in per_instance}) == PROCESSES
         prometheus.wait_for(f"{p.level}:{p.metric_part('request_num_preemptions')}:thrashing_ratio_rate5m", bool, 20)
         prometheus.wait_for(
