@@ -160,7 +160,16 @@ class _ExemplarCollector(sdk_prometheus.CustomCollector):
         return current
 
 
-class ExemplarPrometheusMetricReader(PrometheusMetricReader):
+class _PullReader(PrometheusMetricReader):
+    """A reader that scrapes collect. It has nothing to push, so a flush does not collect: the
+    exporter's collector queues every collection for the next scrape, which would then serve the
+    flush's samples beside its own (every series twice)."""
+
+    def force_flush(self, timeout_millis: float = 10_000) -> bool:
+        return True
+
+
+class ExemplarPrometheusMetricReader(_PullReader):
     """``PrometheusMetricReader`` registering an exemplar-aware collector in a given registry."""
 
     def __init__(
@@ -198,7 +207,7 @@ class ExemplarPrometheusMetricReader(PrometheusMetricReader):
         _unregister(self, self._registry)
 
 
-class UpstreamPrometheusMetricReader(PrometheusMetricReader):
+class UpstreamPrometheusMetricReader(_PullReader):
     """The exporter's own reader and collector (no exemplars, ``le`` as the exporter writes it),
     registered in a given registry: where the exporter's internals that
     :class:`ExemplarPrometheusMetricReader` extends are not what it relies on."""

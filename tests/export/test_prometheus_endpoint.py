@@ -380,3 +380,31 @@ def test_processes_on_one_host_take_consecutive_ports_from_the_base(clean_env):
     finally:
         first.shutdown()
         second.shutdown()
+
+
+def test_a_flush_before_a_scrape_serves_every_series_once(clean_env):
+    """A pull reader does not collect on flush: the exporter's collector would hand that
+    collection to the next scrape beside the scrape's own, every series twice."""
+    from otel_llm.events import EventType, RequestEvent
+
+    handle = setup_telemetry(
+        TelemetryConfig(
+            model_name="tiny", metrics_exporters=("prometheus",), traces_exporters=("none",), prometheus_port=0
+        )
+    )
+    try:
+        handle.telemetry.on_events(
+            [
+                RequestEvent(EventType.ARRIVED, "r1", 1.0, prompt_tokens=3, max_tokens=4),
+                RequestEvent(EventType.SCHEDULED, "r1", 1.1),
+                RequestEvent(EventType.FINISHED, "r1", 1.2, finish_reason="stop"),
+            ]
+        )
+        assert handle.force_flush() and handle.force_flush()
+        body, _ = _scrape(f"http://127.0.0.1:{handle.prometheus_port}/metrics")
+        samples = [line for line in body.splitlines() if line and not line.startswith("#")]
+        assert len(samples) == len(set(samples)), sorted(s for s in samples if samples.count(s) > 1)[:3]
+        count = [s for s in samples if s.startswith("vllm:request_num_preemptions_count{")]
+        assert count == ['vllm:request_num_preemptions_count{engine="0",model_name="tiny"} 1.0']
+    finally:
+        handle.shutdown()
