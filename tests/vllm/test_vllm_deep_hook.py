@@ -208,3 +208,36 @@ def test_requests_in_flight_when_vllm_stops_or_its_engine_dies_get_one_span_each
             assert span.attributes["gen_ai.response.finish_reasons"] == ("abort",)
     success = otel_samples(o.reader, {"vllm:request_success"})
     assert sum(v for (name, _), v in success.items() if name == "vllm:request_success_total") == len(finished)
+
+
+def test_the_trace_headers_reach_the_request_passed_by_keyword_or_position(monkeypatch):
+    """The headers given to AsyncLLM.add_request are what the output processor's wrapper sees, as
+    vLLM passes them (by keyword) and by position."""
+    import asyncio
+    import inspect
+
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from otel_llm.integrations.vllm import deep_hook as vllm_deep_hook
+
+    seen = []
+
+    async def add_request(self, *args, **kwargs):  # in place of vLLM's: what the hook has set
+        seen.append(vllm_deep_hook._adding_headers.get())
+
+    add_request.__signature__ = inspect.signature(AsyncLLM.add_request)
+    monkeypatch.setattr(AsyncLLM, "add_request", add_request)
+    monkeypatch.setenv("OTEL_LLM_VLLM_DEEP_HOOK", "1")
+    headers = {"traceparent": "00-0000000000000000000000000000000a-000000000000000b-01"}
+    names = list(inspect.signature(AsyncLLM.add_request).parameters)
+    positional = [None] * (names.index("trace_headers") - 1) + [headers]
+    try:
+        assert vllm_deep_hook.install()
+        wrapped = AsyncLLM.add_request
+        asyncio.run(wrapped(object(), "r1", None, None, trace_headers=headers))
+        asyncio.run(wrapped(object(), *positional))
+        asyncio.run(wrapped(object(), "r2", None, None))
+    finally:
+        vllm_deep_hook.uninstall()
+    assert seen == [headers, headers, None]
+    assert vllm_deep_hook._adding_headers.get() is None

@@ -376,11 +376,14 @@ def _install_trace_context_capture(warn_once: Callable[[str, BaseException], Non
         return f"OutputProcessor.add_request has parameters {_params(OutputProcessor.add_request)}"
 
     async def add_request(self: Any, *args: Any, **kwargs: Any) -> Any:
-        headers = None
-        try:
-            headers = signature.bind(self, *args, **kwargs).arguments.get("trace_headers")
-        except Exception as exc:  # noqa: BLE001 - never into vLLM's request path
-            warn_once("reading the trace headers", exc)
+        # vLLM passes them by keyword; binding the signature (for a positional call) costs more
+        # than the rest of this hook for the request.
+        headers = kwargs.get("trace_headers")
+        if headers is None and "trace_headers" not in kwargs:
+            try:
+                headers = signature.bind(self, *args, **kwargs).arguments.get("trace_headers")
+            except Exception as exc:  # noqa: BLE001 - never into vLLM's request path
+                warn_once("reading the trace headers", exc)
         token = _adding_headers.set(dict(headers) if headers else None)
         try:
             return await add(self, *args, **kwargs)
