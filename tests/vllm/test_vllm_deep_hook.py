@@ -212,7 +212,8 @@ def test_requests_in_flight_when_vllm_stops_or_its_engine_dies_get_one_span_each
 
 def test_the_trace_headers_reach_the_request_passed_by_keyword_or_position(monkeypatch):
     """The headers given to AsyncLLM.add_request are what the output processor's wrapper sees, as
-    vLLM passes them (by keyword) and by position."""
+    vLLM passes them (by keyword) and by position; headers that are not a mapping are dropped, the
+    request added all the same."""
     import asyncio
     import inspect
 
@@ -237,7 +238,8 @@ def test_the_trace_headers_reach_the_request_passed_by_keyword_or_position(monke
         asyncio.run(wrapped(object(), "r1", None, None, trace_headers=headers))
         asyncio.run(wrapped(object(), *positional))
         asyncio.run(wrapped(object(), "r2", None, None))
+        asyncio.run(wrapped(object(), "r3", None, None, trace_headers=42))
     finally:
         vllm_deep_hook.uninstall()
-    assert seen == [headers, headers, None]
+    assert seen == [headers, headers, None, None]
     assert vllm_deep_hook._adding_headers.get() is None

@@ -4,9 +4,11 @@ numbers reach the collector.
 Each case starts a server (the plugin with the deep hook, spans and metrics over OTLP/gRPC to a
 loopback receiver, export intervals of a minute so that only the flush at exit can deliver),
 streams 64 requests of 200 tokens with a ``traceparent`` each, and injects the fault once vLLM
-has finished 2 of them: SIGTERM to the API server (what an orchestrator sends), or SIGKILL to the
-engine-core process (an OOM kill). The loss this guards against was intermittent, so each fault
-runs more than once, once with a busy process beside the server. After the server has exited:
+has finished 2 of them (the engine held there: it runs in short bursts until then, so that it
+cannot run ahead of the test on a slow or busy machine): SIGTERM to the API server (what an
+orchestrator sends), or SIGKILL to the engine-core process (an OOM kill). The loss this guards
+against was intermittent, so each fault runs more than once, once with a busy process beside the
+server. After the server has exited:
 exactly one span per request that streamed, none twice, each in its caller's trace; the requests
 that finished are ordinary spans, the others are marked with why they were cut short; the final
 metric export counts every request that finished. With the collector down when vLLM stops, it
@@ -34,11 +36,13 @@ from otel_llm.testing.span_receiver import span_attributes
 from otel_llm.testing.vllm.server import MODEL_NAME, VllmServer, traceparent
 from tests.support.backends import OtlpSink, start_otlp_sink
 
-# The fault comes once vLLM has finished 2 requests: early, so that a machine that holds the
-# test's client back still finds most of the load in flight when it comes.
+# The fault comes once vLLM has finished 2 requests, the engine held there (_run_engine_until):
+# most of the load is in flight when it comes, however slow or busy the machine.
 REQUESTS, MAX_TOKENS, FINISHED_AT_FAULT = 64, 200, 2
+BURST_S = 0.05  # how long the engine runs between two looks at vLLM's progress
 EXIT_BOUND_S = 120  # vLLM's own shutdown and our flush (10 s per stage) on a loaded machine
 SUCCESS = "vllm:request_success_total{"
+GENERATED = "vllm:generation_tokens_total{"
 # The server and the busy process run at a lower priority than this test's client, so that the
 # fault comes when the client asks for it, not seconds later (vLLM's CPU worker keeps every core busy).
 SERVER_NICE = 10
@@ -119,25 +123,72 @@ async def _stream(session: Any, url: str, stream: Stream) -> None:
         pass  # the fault ends the stream
 
 
-async def _finished_on_server(session: Any, url: str) -> None:
-    """Returns once vLLM's own /metrics counts FINISHED_AT_FAULT finished requests: the server's
-    progress, not the client's, which a busy machine holds back while the streams run ahead."""
+async def _progress(session: Any, url: str) -> tuple[float, float]:
+    """vLLM's own /metrics: (requests finished, tokens generated); -1 for both when it could
+    not be asked."""
     import aiohttp
 
-    while True:
+    try:
+        async with session.get(f"{url}/metrics") as response:
+            text = await response.text()
+    except aiohttp.ClientError:  # a kept-alive connection the server closed meanwhile: ask again
+        return -1.0, -1.0
+    # Only the few lines needed, not the whole exposition parsed.
+    lines = text.splitlines()
+
+    def total(prefix: str) -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(prefix))
+
+    return total(SUCCESS), total(GENERATED)
+
+
+def _signal(pids: list[int], sig: int) -> None:
+    for pid in pids:
         try:
-            async with session.get(f"{url}/metrics") as response:
-                text = await response.text()
-        except aiohttp.ClientError:  # a kept-alive connection the server closed meanwhile: ask again
-            text = ""
-        # Only the few lines needed, not the whole exposition parsed: the poll keeps up with the load.
-        finished = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(SUCCESS))
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass  # an engine core the fault killed
+
+
+async def _burst(cores: list[int]) -> None:
+    """The engine runs for BURST_S, timed by a shell of its own at a real-time priority: this
+    test's event loop may be seconds late on a busy machine (the streams' chunks to read), and
+    an ordinary shell was seen held back up to 3 s between its two signals, the engine running on
+    (the server's session is a scheduling group of its own, which nice does not rank below this
+    test's)."""
+    pids = " ".join(map(str, cores))
+    shell = await asyncio.create_subprocess_exec(
+        "chrt",
+        "-f",
+        "50",
+        "sh",
+        "-c",
+        f"kill -CONT {pids}; sleep {BURST_S}; kill -STOP {pids}",
+    )
+    assert await shell.wait() == 0, "the burst's shell failed (its stderr above; chrt needs root)"
+
+
+async def _run_engine_until(session: Any, url: str, cores: list[int]) -> None:
+    """Returns once vLLM's /metrics counts FINISHED_AT_FAULT finished requests, the engine-core
+    processes stopped (SIGSTOP). The engine runs a burst only once the API server has taken in
+    the last one's outputs (its count of generated tokens unchanged between two looks), so it
+    cannot run ahead of what this test has seen: left to run on, it did (a CI run's fault came
+    once every request had finished, vLLM's API server slow to answer /metrics and to stream
+    beside an engine that kept both cores busy)."""
+    _signal(cores, signal.SIGSTOP)
+    seen = None
+    while True:
+        finished, generated = await _progress(session, url)
         if finished >= FINISHED_AT_FAULT:
             return
-        await asyncio.sleep(0.1)  # between scrapes of a server under load
+        if generated == seen:
+            await _burst(cores)
+        else:
+            await asyncio.sleep(BURST_S)  # the API server still taking in the last burst
+        seen = generated
 
 
-async def _load_with_fault(url: str, fault: Any) -> list[Stream]:
+async def _load_with_fault(url: str, cores: list[int], fault: Any) -> list[Stream]:
     import aiohttp
 
     streams = []
@@ -149,8 +200,12 @@ async def _load_with_fault(url: str, fault: Any) -> list[Stream]:
     timeout = aiohttp.ClientTimeout(total=EXIT_BOUND_S * 3, sock_read=20)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         tasks = [asyncio.create_task(_stream(session, url, s)) for s in streams]
-        await asyncio.wait_for(_finished_on_server(session, url), EXIT_BOUND_S * 3)
-        fault()
+        try:
+            await asyncio.wait_for(_run_engine_until(session, url, cores), EXIT_BOUND_S * 3)
+        except BaseException:
+            _signal(cores, signal.SIGCONT)
+            raise
+        fault()  # the engine still held: the fault decides what it does next
         await asyncio.wait_for(asyncio.gather(*tasks), EXIT_BOUND_S)
     return streams
 
@@ -204,18 +259,20 @@ def _serve_with_fault(tiny_model: Path, fault: str, args: list[str], busy: bool,
             sigterm_at[0] = time.monotonic()
             os.kill(pid, signal.SIGTERM)
 
+        cores = _engine_cores(pid)
+        assert cores, "no engine-core process found"
+
         def inject() -> None:
             if fault == "sigterm":
-                sigterm()
+                sigterm()  # vLLM's shutdown kills the held engine (a running one could finish the load first)
             else:
-                cores = _engine_cores(pid)
-                assert cores, "no engine-core process found"
                 os.kill(cores[0], signal.SIGKILL)
+                _signal(cores[1:], signal.SIGCONT)  # data parallel: the other engine runs on
 
         if busy:
             burner = subprocess.Popen(["nice", "-n", str(SERVER_NICE), sys.executable, "-c", "while True: pass"])
         try:
-            streams = asyncio.run(_load_with_fault(server.url, inject))
+            streams = asyncio.run(_load_with_fault(server.url, cores, inject))
             if fault != "sigterm":
                 # vLLM stops serving once its engine died; the orchestrator's SIGTERM follows.
                 sigterm()

@@ -375,16 +375,22 @@ def _install_trace_context_capture(warn_once: Callable[[str, BaseException], Non
     if _params(OutputProcessor.add_request)[:2] != ["self", "request"]:
         return f"OutputProcessor.add_request has parameters {_params(OutputProcessor.add_request)}"
 
+    # Where a positional call puts the headers (after self); None when they are keyword-only.
+    parameter = signature.parameters["trace_headers"]
+    index: Optional[int] = None
+    if parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD):
+        index = list(signature.parameters).index("trace_headers") - 1
+
     async def add_request(self: Any, *args: Any, **kwargs: Any) -> Any:
-        # vLLM passes them by keyword; binding the signature (for a positional call) costs more
-        # than the rest of this hook for the request.
-        headers = kwargs.get("trace_headers")
-        if headers is None and "trace_headers" not in kwargs:
-            try:
-                headers = signature.bind(self, *args, **kwargs).arguments.get("trace_headers")
-            except Exception as exc:  # noqa: BLE001 - never into vLLM's request path
-                warn_once("reading the trace headers", exc)
-        token = _adding_headers.set(dict(headers) if headers else None)
+        # Read by position or keyword: binding the signature cost more than the rest of this
+        # hook for the request.
+        kept = None
+        try:
+            headers = args[index] if index is not None and len(args) > index else kwargs.get("trace_headers")
+            kept = dict(headers) if headers else None
+        except Exception as exc:  # noqa: BLE001 - never into vLLM's request path
+            warn_once("reading the trace headers", exc)
+        token = _adding_headers.set(kept)
         try:
             return await add(self, *args, **kwargs)
         finally:
