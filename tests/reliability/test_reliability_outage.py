@@ -391,14 +391,23 @@ def test_collector_outage_does_not_slow_or_block_the_engine_and_losses_are_count
         # An older SDK's metric exporter may still be in its retry backoff (up to ~63 s) from the outage.
         wait_until(lambda: len(sink.metrics) > metric_requests_at_resume, 90.0, what="metrics after the restart")
 
-        # What was dropped is counted, on the metric too.
-        drops = dict(handle.accounting.dropped)
+        # What was dropped is counted, on the metric too. The exporter threads put the losses on it
+        # before each export, so those since the last export are put there here: an older SDK's
+        # metric export still in its retries from the outage may give up after the last export.
+        accounting = handle.accounting
+        assert accounting is not None
+
+        def counted_on_metric() -> tuple[dict[str, int]]:
+            accounting.flush()
+            drops, on_metric = accounting.dropped_so_far(), _dropped(reader)
+            for reason, n in drops.items():
+                assert on_metric.get(reason) == n, (reason, n, on_metric)
+            return (drops,)
+
+        (drops,) = wait_until(counted_on_metric, 30.0, what="otel_llm.dropped_events to count every loss")
         # Batches given up after retries, or failed at once while the collector stays unreachable
         # (resilience.Backoff); the queue may overflow as well.
         assert drops.get(drop_reasons.SPANS_EXPORT_FAILED, 0) > 0, drops
-        on_metric = _dropped(reader)
-        for reason, n in drops.items():
-            assert on_metric.get(reason) == n, (reason, n, on_metric)
 
         # Cost, judged on CPU clocks, which another busy process does not move: the telemetry's
         # time inside the engine's hook calls (ending spans into the export queue included) plus
