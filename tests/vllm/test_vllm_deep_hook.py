@@ -210,6 +210,45 @@ def test_requests_in_flight_when_vllm_stops_or_its_engine_dies_get_one_span_each
     assert sum(v for (name, _), v in success.items() if name == "vllm:request_success_total") == len(finished)
 
 
+def test_the_stat_loggers_hear_of_an_llm_shutdown_once(monkeypatch):
+    """vLLM's finalizer shuts an AsyncLLM down again after its explicit shutdown, maybe while
+    another AsyncLLM of the process runs (the garbage collector finalizing the old one): the
+    listeners are told of the first shutdown only, each AsyncLLM's own."""
+    import gc
+
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from otel_llm.integrations.vllm import deep_hook as vllm_deep_hook
+
+    class Listener:
+        calls = 0
+
+        def stopped(self):
+            self.calls += 1
+
+    monkeypatch.setenv("OTEL_LLM_VLLM_DEEP_HOOK", "1")
+    listener = Listener()
+    try:
+        assert vllm_deep_hook.install()
+        vllm_deep_hook.listen(listener.stopped)
+        old, new = AsyncLLM.__new__(AsyncLLM), AsyncLLM.__new__(AsyncLLM)  # only what shutdown reads
+        old.cycle = old  # freed by the garbage collector, which clears weak references first
+        old.shutdown()
+        assert listener.calls == 1
+        gc.disable()
+        try:
+            del old
+            gc.collect()  # vLLM's __del__ shuts it down again
+        finally:
+            gc.enable()
+        assert listener.calls == 1
+        new.shutdown()
+        new.shutdown()
+        assert listener.calls == 2
+    finally:
+        vllm_deep_hook.uninstall()
+
+
 def test_the_trace_headers_reach_the_request_passed_by_keyword_or_position(monkeypatch):
     """The headers given to AsyncLLM.add_request are what the output processor's wrapper sees, as
     vLLM passes them (by keyword) and by position; headers that are not a mapping are dropped, the

@@ -56,6 +56,7 @@ _log = logging.getLogger(__name__)
 ENV = "OTEL_LLM_VLLM_DEEP_HOOK"
 TESTED_VERSIONS = ((0, 10), (0, 34))  # [min, max)
 TRACE_ATTR = "_otel_llm_trace"
+SHUT_DOWN_ATTR = "_otel_llm_shut_down"  # on an AsyncLLM whose shutdown the stat loggers were told of
 _MARK = "__otel_llm_deep_hook__"
 # vLLM's EngineCoreEventType values (IntEnum): QUEUED=1, SCHEDULED=2, PREEMPTED=3.
 QUEUED, SCHEDULED, PREEMPTED = 1, 2, 3
@@ -442,6 +443,15 @@ def _install_trace_context_capture(warn_once: Callable[[str, BaseException], Non
     def shutdown_llm(self: Any, *args: Any, **kwargs: Any) -> Any:
         # vLLM may still finish requests while it stops (draining, or with finish reason abort):
         # those in flight now are marked, and what is left when it has stopped is ended here.
+        # vLLM's finalizer shuts an AsyncLLM down again, maybe while another one of the process
+        # runs: its stat loggers are not told (they would flush for nothing). A mark on the
+        # object, not a weak set: the garbage collector clears weak references before finalizers.
+        if getattr(self, SHUT_DOWN_ATTR, False):
+            return shutdown(self, *args, **kwargs)
+        try:
+            setattr(self, SHUT_DOWN_ATTR, True)
+        except Exception as exc:  # noqa: BLE001 - never into vLLM's shutdown
+            warn_once("marking the AsyncLLM shut down", exc)
         processor = getattr(self, "output_processor", None)
         try:
             for state in list(getattr(processor, "request_states", {}).values()):
