@@ -101,6 +101,8 @@ class SpanEncoder:
         self._values: dict[tuple[int, str, type, Any], bytes] = {}
         self._resources: dict[int, tuple[Any, bytes]] = {}
         self._scopes: dict[int, tuple[Any, bytes]] = {}
+        self._names: dict[tuple[str, Any], bytes] = {}  # a span's name and kind
+        self._statuses: dict[tuple[Optional[str], Any], bytes] = {}
 
     def encode(self, spans: Sequence[Any]) -> bytes:
         """The ExportTraceServiceRequest of ``spans``, serialised."""
@@ -139,7 +141,12 @@ class SpanEncoder:
                     self._keep((number, key, kind, None), prefix)
                 out.append(prefix + _PACK_DOUBLE(value))
                 continue
-            ident = (number, key, kind, value) if kind is str or kind is int or kind is bool else None
+            if kind is tuple and len(value) == 1 and type(value[0]) is str:
+                ident: Optional[tuple] = (number, key, kind, value)  # a finish reason: one of a few
+            elif kind is str or kind is int or kind is bool:
+                ident = (number, key, kind, value)
+            else:
+                ident = None
             encoded = values.get(ident) if ident is not None else None
             if encoded is None:
                 encoded = _field(number, _key_value(key, value))
@@ -184,8 +191,12 @@ class SpanEncoder:
             parts.append(_string(3, ",".join(f"{k}={v}" for k, v in trace_state.items())))
         if parent is not None:
             parts.append(b"\x22\x08" + parent.span_id.to_bytes(8, "big"))
-        parts.append(_string(5, span.name))
-        parts.append(_uint(6, span.kind.value + 1))
+        name_kind = self._names.get((span.name, span.kind))
+        if name_kind is None:
+            name_kind = self._names[(span.name, span.kind)] = _string(5, span.name) + _uint(6, span.kind.value + 1)
+            if len(self._names) > _CACHED_VALUES:
+                self._names.clear()
+        parts.append(name_kind)
         if span.start_time:
             parts.append(b"\x39" + _PACK_FIXED64(span.start_time))
         if span.end_time:
@@ -214,7 +225,14 @@ class SpanEncoder:
         parts.append(_uint(14, span.dropped_links))
         status = span.status
         if status is not None:
-            parts.append(_field(15, _string(2, status.description) + _uint(3, status.status_code.value)))
+            ident = (status.description, status.status_code)
+            encoded = self._statuses.get(ident)
+            if encoded is None:
+                encoded = _field(15, _string(2, status.description) + _uint(3, status.status_code.value))
+                if len(self._statuses) > _CACHED_VALUES:
+                    self._statuses.clear()
+                self._statuses[ident] = encoded
+            parts.append(encoded)
         parts.append(b"\x85\x01" + _PACK_FIXED32(_flags(parent)))
         return _field(2, b"".join(parts))
 

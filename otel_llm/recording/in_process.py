@@ -59,6 +59,7 @@ class ProviderInstruments:
         self.deferring: "weakref.WeakSet[Any]" = weakref.WeakSet()
         # Metrics (by key) exported from another source at collection, not from the recorders.
         self.elsewhere: dict[str, Callable[[], Iterable[Observation]]] = {}
+        self._collecting: Optional[CallbackOptions] = None  # the collection whose callbacks run
         own = {"counter": self._counter_values, "gauge": self._gauge_values, "histogram": self._histogram_values}
         for m in METRICS:
             create = meter.create_observable_gauge if m.kind == "gauge" else meter.create_observable_counter
@@ -74,8 +75,8 @@ class ProviderInstruments:
         return cell
 
     def before_collect(self) -> None:
-        """Run by every callback (the SDK runs them before it reads any instrument): pending event
-        batches applied. Never raises into the SDK's collection."""
+        """Run by the first callback of each collection (the SDK runs them all before it reads
+        any instrument): pending event batches applied. Never raises into the SDK's collection."""
         for telemetry in list(self.deferring):
             try:
                 telemetry.apply_pending()
@@ -88,8 +89,10 @@ class ProviderInstruments:
         """The instrument's callback: ``key``'s observations from its source elsewhere if it has
         one, else ``own``'s (what the recorders hold)."""
 
-        def callback(_: CallbackOptions) -> Iterator[Observation]:
-            self.before_collect()
+        def callback(options: CallbackOptions) -> Iterator[Observation]:
+            if options is not self._collecting:  # the SDK gives one CallbackOptions per collection
+                self._collecting = options
+                self.before_collect()
             source = self.elsewhere.get(key)
             yield from source() if source is not None else own(key)
 

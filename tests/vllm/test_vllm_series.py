@@ -220,6 +220,57 @@ def test_beside_vllms_logger_its_series_are_read_not_recorded_again(otel, vllm_c
     assert got[("vllm:request_prefill_kv_computed_tokens_count", labels)] == len(default_specs())
 
 
+def test_vllms_values_read_directly_are_those_of_its_collected_samples(otel, vllm_config):
+    """Beside vLLM's logger, every family is read from the values of vLLM's prometheus_client
+    metrics themselves, not from the samples its registry builds: the same observations, series
+    for series (histograms bucket for bucket). A gauge set to a function is read from its samples."""
+    from prometheus_client import Gauge
+    from vllm.v1.metrics.loggers import StatLoggerManager, load_stat_logger_plugin_factories
+
+    from otel_llm.integrations.vllm import OtelStatLogger
+
+    otel()
+    manager = StatLoggerManager(
+        vllm_config,
+        engine_idxs=[0, 1],
+        custom_stat_loggers=load_stat_logger_plugin_factories(),
+        enable_default_loggers=False,
+    )
+    (ours,) = [s for s in manager.stat_loggers if isinstance(s, OtelStatLogger)]
+    series = ours._impl.series
+    now_m, now_w = time.monotonic(), time.time()
+    run(manager, {0: build(default_specs("d0-"), now_m, now_w), 1: build(default_specs("d1-")[:4], now_m, now_w)})
+    manager.record_admission_rejection("max_num_queued_reqs")
+
+    def read(observations):
+        out = {}
+        for o in observations:
+            cell = o.context.get(next(iter(o.context))) if o.context else None
+            value = (tuple(cell.counts), cell.total) if cell is not None else o.value
+            out[frozenset(o.attributes.items())] = value
+        return out
+
+    families = [f for f in series.families.values() if f.recording]
+    seen = {"counter": 0, "gauge": 0, "histogram": 0}
+    for family in families:
+        direct = series._read_values(family)
+        assert direct is not None, family.name
+        assert read(direct) == read(series._read_samples(family)), family.name
+        seen[family.kind] += len(direct)
+    assert all(n > 0 for n in seen.values()), seen
+
+    from prometheus_client import REGISTRY
+
+    gauge = next(f for f in families if f.kind == "gauge" and f.labelnames)
+    metric = REGISTRY._names_to_collectors[gauge.name]
+    assert isinstance(metric, Gauge)
+    values = next(iter(metric._metrics))
+    metric.labels(*values).set_function(lambda: 42.0)
+    assert series._read_values(gauge) is None
+    attributes = dict(zip(gauge.otel_labels, values))
+    assert [o.value for o in series.read(gauge) if o.attributes == attributes] == [42.0]
+
+
 @pytest.mark.parametrize("exemplar_filter, steps_read", [("trace_based", True), ("always_on", False)])
 def test_with_its_own_providers_the_per_step_core_series_are_vllms_read_at_collection(
     plugin_endpoint, model_dir, monkeypatch, exemplar_filter, steps_read

@@ -49,6 +49,12 @@ from otel_llm.version import __version__
 __all__ = ["VllmSeries", "SeriesView"]
 
 CORE_NAMES = frozenset(m.vllm for m in METRICS)
+# The name a family's prometheus_client metric is registered under, by kind.
+_REGISTERED_NAME: dict[str, Callable[[str], str]] = {
+    "counter": lambda name: f"{name}_total",
+    "gauge": lambda name: name,
+    "histogram": lambda name: f"{name}_bucket",
+}
 _SEMCONV_LABELS = {"model_name": "gen_ai.request.model", "engine": "llm.engine"}
 _construct_lock = threading.Lock()
 
@@ -200,6 +206,7 @@ class VllmSeries:
         # adapter keeps (EngineTelemetry.defer), whose translation calls ``logger``.
         self.before_read: Callable[[], None] = _nothing
         self._read_cells: dict[tuple[str, tuple[tuple[str, str], ...]], HistogramCell] = {}
+        self._read_attributes: dict[tuple[str, tuple[str, ...]], dict[str, str]] = {}
         # Families recorded but not exported by this process: another process reports them.
         self.withheld: set[str] = set()
         self.logger = self._build(vllm_config, list(engine_indexes))
@@ -221,14 +228,71 @@ class VllmSeries:
         when vLLM has no such family). A histogram's buckets and sum are vLLM's; it keeps no
         minimum or maximum (exported as the SDK does without them: +inf and -inf)."""
         assert self.source is not None
+        observations = self._read_values(family)
+        if observations is None:
+            observations = self._read_samples(family)
+        return iter(observations)
+
+    def _read_values(self, family: _Family) -> Optional[list[Observation]]:
+        """The observations read from the values of vLLM's prometheus_client metric itself: what
+        its ``collect()`` would give, without building a sample per bucket (a third of a
+        collection's cost in vLLM's API server). None where the metric is not of the shape
+        read here (another prometheus_client, a gauge set to a function): read its samples."""
+        registered = getattr(self.source, "_names_to_collectors", None)
+        if not isinstance(registered, dict):
+            return None
+        metric = registered.get(_REGISTERED_NAME[family.kind](family.name))
+        if metric is None:
+            return []  # vLLM has no such family
+        try:
+            names = metric._labelnames
+            if names:
+                with metric._lock:
+                    children = list(metric._metrics.items())
+            else:
+                children = [((), metric)]
+            out = []
+            for values, child in children:
+                # Gauge.set_function sets the child's own _child_samples (looked up, not through
+                # vars(): a materialised __dict__ would slow every attribute read on vLLM's hot path).
+                if getattr(child._child_samples, "__func__", None) is not type(child)._child_samples:
+                    return None
+                if family.kind != "histogram":
+                    out.append(Observation(child._value.get(), self._attributes(family, names, values)))
+                    continue
+                buckets = child._buckets
+                if len(buckets) != len(family.bounds) + 1:
+                    continue  # not the buckets vLLM's code gave this family here: no point rather than a wrong one
+                key = (family.name, tuple(zip(names, values)))
+                cell = self._read_cells.get(key)
+                if cell is None:
+                    cell = self._read_cells[key] = HistogramCell(family.bounds, self._attributes(family, names, values))
+                cell.counts = [int(b.get()) for b in buckets]
+                cell.total = child._sum.get()
+                out.append(cell.observation())
+            return out
+        except (AttributeError, TypeError):
+            return None
+
+    def _attributes(self, family: _Family, names: tuple[str, ...], values: tuple[str, ...]) -> dict[str, str]:
+        key = (family.name, values)
+        attributes = self._read_attributes.get(key)
+        if attributes is None:
+            rename = dict(zip(family.labelnames, family.otel_labels))
+            attributes = self._read_attributes[key] = {rename.get(n, n): v for n, v in zip(names, values)}
+        return attributes
+
+    def _read_samples(self, family: _Family) -> list[Observation]:
+        """The observations read from the samples vLLM's registry collects for ``family``."""
         name = family.name
         wanted = {"counter": (f"{name}_total",), "gauge": (name,), "histogram": (f"{name}_bucket", f"{name}_sum")}
         rename = dict(zip(family.labelnames, family.otel_labels))
+        out = []
         histograms: dict[tuple[tuple[str, str], ...], tuple[list[float], list[float]]] = {}
         for metric in self.source.restricted_registry(wanted[family.kind]).collect():
             for s in metric.samples:
                 if family.kind != "histogram":
-                    yield Observation(s.value, {rename.get(k, k): v for k, v in s.labels.items()})
+                    out.append(Observation(s.value, {rename.get(k, k): v for k, v in s.labels.items()}))
                     continue
                 key = tuple((k, v) for k, v in s.labels.items() if k != "le")
                 cumulative, total = histograms.setdefault(key, ([], []))
@@ -243,7 +307,8 @@ class VllmSeries:
             # prometheus_client's buckets are cumulative, in bound order, +Inf last.
             cell.counts = [int(c - b) for c, b in zip(cumulative, [0.0, *cumulative[:-1]])]
             cell.total = total[0]
-            yield cell.observation()
+            out.append(cell.observation())
+        return out
 
     def otel_labels(self, labelnames: tuple[str, ...]) -> tuple[str, ...]:
         if self.naming == "vllm":
