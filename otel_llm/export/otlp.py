@@ -12,6 +12,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Mapping, Optional
 
 from otel_llm.config.settings import TelemetryConfig
+from otel_llm.export.metric_encoding import OwnMetricEncoding
 from otel_llm.export.span_encoding import OwnEncoding
 
 DEFAULT_OTLP_PROTOCOL = "grpc"
@@ -115,7 +116,7 @@ def _http_session() -> Any:
             self._netrc: dict[str, Any] = {}
             self._plain = PlainHTTP()
 
-        def request(self, method: str, url: str, *args: Any, **kwargs: Any) -> Any:
+        def request(self, method: Any, url: Any, *args: Any, **kwargs: Any) -> Any:
             given = (k for k, v in kwargs.items() if v is not None)
             if not args and _PLAIN_ARGUMENTS.issuperset(given) and self._sends_plainly(url, kwargs):
                 headers = merge_setting(kwargs.get("headers"), self.headers, dict_class=CaseInsensitiveDict)
@@ -186,10 +187,13 @@ _EXPORTERS = {
 def exporter(config: TelemetryConfig, env: Mapping[str, str], signal: str) -> Any:
     """The OTLP exporter of ``signal`` ("metrics", "traces" or "logs"); the rest of its settings
     (headers, TLS, compression, timeout, temporality) it reads from the environment itself.
-    Spans are encoded by otel_llm (:mod:`otel_llm.export.span_encoding`)."""
+    Spans and metrics are encoded by otel_llm (:mod:`otel_llm.export.span_encoding`,
+    :mod:`otel_llm.export.metric_encoding`)."""
     proto = protocol(config, env, signal)
     url = endpoint(config, env, signal, proto)
     module, name = _EXPORTERS[(signal, proto)]
     cls = getattr(importlib.import_module(module), name)
     made = cls(endpoint=url) if proto == "grpc" else cls(endpoint=url, session=_http_session())
-    return OwnEncoding(made) if signal == "traces" else made
+    if signal == "traces":
+        return OwnEncoding(made)
+    return OwnMetricEncoding(made) if signal == "metrics" else made

@@ -94,35 +94,13 @@ def _key_value(key: str, value: Any) -> bytes:
     return _string(1, key) + _field(2, _any_value(value))
 
 
-class SpanEncoder:
-    """Encodes span batches; keeps the encodings of resources, scopes and attribute values."""
+class OtlpEncoder:
+    """What OTLP's signals share: resources, scopes and attributes, their encodings kept."""
 
     def __init__(self) -> None:
         self._values: dict[tuple[int, str, type, Any], bytes] = {}
         self._resources: dict[int, tuple[Any, bytes]] = {}
         self._scopes: dict[int, tuple[Any, bytes]] = {}
-        self._names: dict[tuple[str, Any], bytes] = {}  # a span's name and kind
-        self._statuses: dict[tuple[Optional[str], Any], bytes] = {}
-
-    def encode(self, spans: Sequence[Any]) -> bytes:
-        """The ExportTraceServiceRequest of ``spans``, serialised."""
-        grouped: dict[int, tuple[Any, dict[int, tuple[Any, list[bytes]]]]] = {}
-        for span in spans:
-            resource = span.resource
-            scopes = grouped.setdefault(id(resource), (resource, {}))[1]
-            scope = span.instrumentation_scope or None
-            scopes.setdefault(id(scope), (scope, []))[1].append(self._span(span))
-        out = []
-        for resource, scopes in grouped.values():
-            body = [self._resource(resource)]
-            for scope, encoded in scopes.values():
-                scope_spans = self._scope(scope) + b"".join(encoded)
-                if scope is not None:
-                    scope_spans += _string(3, scope.schema_url)
-                body.append(_field(2, scope_spans))
-            body.append(_string(3, resource.schema_url))
-            out.append(_field(1, b"".join(body)))
-        return b"".join(out)
 
     def _attributes(self, number: int, attributes: Optional[Mapping[str, Any]]) -> bytes:
         """The repeated KeyValue field ``number``. Strings, ints and bools are kept by value (a
@@ -178,6 +156,36 @@ class SpanEncoder:
                 )
             kept = self._scopes[id(scope)] = (scope, encoded)
         return kept[1]
+
+
+class SpanEncoder(OtlpEncoder):
+    """Encodes span batches; keeps the encodings of resources, scopes, attribute values, span
+    names and statuses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._names: dict[tuple[str, Any], bytes] = {}  # a span's name and kind
+        self._statuses: dict[tuple[Optional[str], Any], bytes] = {}
+
+    def encode(self, spans: Sequence[Any]) -> bytes:
+        """The ExportTraceServiceRequest of ``spans``, serialised."""
+        grouped: dict[int, tuple[Any, dict[int, tuple[Any, list[bytes]]]]] = {}
+        for span in spans:
+            resource = span.resource
+            scopes = grouped.setdefault(id(resource), (resource, {}))[1]
+            scope = span.instrumentation_scope or None
+            scopes.setdefault(id(scope), (scope, []))[1].append(self._span(span))
+        out = []
+        for resource, scopes in grouped.values():
+            body = [self._resource(resource)]
+            for scope, encoded in scopes.values():
+                scope_spans = self._scope(scope) + b"".join(encoded)
+                if scope is not None:
+                    scope_spans += _string(3, scope.schema_url)
+                body.append(_field(2, scope_spans))
+            body.append(_string(3, resource.schema_url))
+            out.append(_field(1, b"".join(body)))
+        return b"".join(out)
 
     def _span(self, span: Any) -> bytes:
         context = span.get_span_context()

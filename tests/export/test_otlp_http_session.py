@@ -111,7 +111,12 @@ def _ok(handler: http.server.BaseHTTPRequestHandler) -> None:
 @pytest.fixture
 def collector() -> Iterator[Any]:
     made: list[_Collector] = []
-    yield lambda respond=None: made.append(_Collector(respond)) or made[-1]
+
+    def make(respond: Any = None) -> _Collector:
+        made.append(_Collector(respond))
+        return made[-1]
+
+    yield make
     for c in made:
         c.close()
 
@@ -127,7 +132,7 @@ def test_plain_http_exports_keep_one_connection_and_carry_the_exporters_headers(
     for var in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", "x-tenant=blue")
-    sent = Counter()
+    sent: Counter[str] = Counter()
     original = requests.Session.request
     monkeypatch.setattr(requests.Session, "request", lambda *a, **k: sent.update(["requests"]) or original(*a, **k))
     c = collector()
@@ -136,7 +141,9 @@ def test_plain_http_exports_keep_one_connection_and_carry_the_exporters_headers(
     counter = MeterProvider(metric_readers=[reader]).get_meter("t").create_counter("exports")
     for n in range(1, EXPORTS + 1):
         counter.add(1)
-        assert exporter.export(reader.get_metrics_data()).name == "SUCCESS"
+        data = reader.get_metrics_data()
+        assert data is not None
+        assert exporter.export(data).name == "SUCCESS"
         points = ExportMetricsServiceRequest.FromString(c.seen[-1][2]).resource_metrics[0].scope_metrics[0]
         assert points.metrics[0].sum.data_points[0].as_int == n
     assert len(c.seen) == EXPORTS and len({port for port, _, _ in c.seen}) == 1
@@ -175,7 +182,12 @@ def test_plain_http_failures_are_requests_errors(collector) -> None:
         session.post(f"http://127.0.0.1:{port}/v1/metrics", data=b"points", timeout=10)
 
     hold = threading.Event()
-    c = collector(lambda handler: hold.wait(10) and _ok(handler))  # answers only once released
+
+    def answer_once_released(handler: http.server.BaseHTTPRequestHandler) -> None:
+        hold.wait(10)
+        _ok(handler)
+
+    c = collector(answer_once_released)
     try:
         with pytest.raises(requests.exceptions.ReadTimeout):
             session.post(f"{c.url}/v1/metrics", data=b"points", timeout=0.2)

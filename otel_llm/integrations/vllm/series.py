@@ -284,6 +284,7 @@ class VllmSeries:
 
     def _read_samples(self, family: _Family) -> list[Observation]:
         """The observations read from the samples vLLM's registry collects for ``family``."""
+        assert self.source is not None
         name = family.name
         wanted = {"counter": (f"{name}_total",), "gauge": (name,), "histogram": (f"{name}_bucket", f"{name}_sum")}
         rename = dict(zip(family.labelnames, family.otel_labels))
