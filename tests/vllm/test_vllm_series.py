@@ -20,6 +20,18 @@ TTFT_BUCKETS = [0.1, 1.0, 10.0]
 PREEMPTION_BUCKETS = [1.0, 2.0, 5.0]
 
 
+def _manager(vllm_config, engine_idxs):
+    """vLLM's StatLoggerManager with the stat-logger plugins loaded as vLLM loads them."""
+    from vllm.v1.metrics.loggers import StatLoggerManager, load_stat_logger_plugin_factories
+
+    return StatLoggerManager(
+        vllm_config,
+        engine_idxs=engine_idxs,
+        custom_stat_loggers=load_stat_logger_plugin_factories(),
+        enable_default_loggers=False,
+    )
+
+
 @pytest.fixture
 def plugin_endpoint(monkeypatch: pytest.MonkeyPatch):
     from vllm.v1.metrics.prometheus import unregister_vllm_metrics
@@ -55,16 +67,10 @@ def _samples(text: str) -> dict[tuple[str, frozenset], float]:
 
 def _run(vllm_config, scheduler_stats):
     from prometheus_client import REGISTRY, generate_latest
-    from vllm.v1.metrics.loggers import StatLoggerManager, load_stat_logger_plugin_factories
 
     from otel_llm.integrations.vllm import OtelStatLogger
 
-    manager = StatLoggerManager(
-        vllm_config,
-        engine_idxs=[0],
-        custom_stat_loggers=load_stat_logger_plugin_factories(),
-        enable_default_loggers=False,
-    )
+    manager = _manager(vllm_config, [0])
     (ours,) = [s for s in manager.stat_loggers if isinstance(s, OtelStatLogger)]
     manager.log_engine_initialized()
     run(manager, {0: build(default_specs("s-"), time.monotonic(), time.time())})
@@ -156,15 +162,9 @@ def test_vllms_custom_histogram_buckets_are_honoured_by_every_histogram(plugin_e
 
 def test_semconv_profile_names_vllms_other_series_without_a_vllm_colon_name(otel, vllm_config):
     """In the semconv profile vLLM's other series are ``vllm.<name>`` with GenAI label names."""
-    from vllm.v1.metrics.loggers import StatLoggerManager, load_stat_logger_plugin_factories
 
     o = otel(naming="semconv")
-    manager = StatLoggerManager(
-        vllm_config,
-        engine_idxs=[0],
-        custom_stat_loggers=load_stat_logger_plugin_factories(),
-        enable_default_loggers=False,
-    )
+    manager = _manager(vllm_config, [0])
     run(manager, {0: build(default_specs("n-"), time.monotonic(), time.time())})
     data = o.reader.get_metrics_data()
     points = {
@@ -187,17 +187,12 @@ def test_beside_vllms_logger_its_series_are_read_not_recorded_again(otel, vllm_c
     runs none of vLLM's logger code again per step. What vLLM's logger alone records is there,
     with vLLM's value, histograms bucket for bucket."""
     from prometheus_client import REGISTRY
-    from vllm.v1.metrics.loggers import PrometheusStatLogger, StatLoggerManager, load_stat_logger_plugin_factories
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
 
     from otel_llm.integrations.vllm import OtelStatLogger
 
     o = otel()
-    manager = StatLoggerManager(
-        vllm_config,
-        engine_idxs=[0],
-        custom_stat_loggers=load_stat_logger_plugin_factories(),
-        enable_default_loggers=False,
-    )
+    manager = _manager(vllm_config, [0])
     (ours,) = [s for s in manager.stat_loggers if isinstance(s, OtelStatLogger)]
     (theirs,) = [s for s in manager.stat_loggers if isinstance(s, PrometheusStatLogger)]
     series = ours._impl.series
@@ -225,17 +220,11 @@ def test_vllms_values_read_directly_are_those_of_its_collected_samples(otel, vll
     metrics themselves, not from the samples its registry builds: the same observations, series
     for series (histograms bucket for bucket). A gauge set to a function is read from its samples."""
     from prometheus_client import Gauge
-    from vllm.v1.metrics.loggers import StatLoggerManager, load_stat_logger_plugin_factories
 
     from otel_llm.integrations.vllm import OtelStatLogger
 
     otel()
-    manager = StatLoggerManager(
-        vllm_config,
-        engine_idxs=[0, 1],
-        custom_stat_loggers=load_stat_logger_plugin_factories(),
-        enable_default_loggers=False,
-    )
+    manager = _manager(vllm_config, [0, 1])
     (ours,) = [s for s in manager.stat_loggers if isinstance(s, OtelStatLogger)]
     series = ours._impl.series
     now_m, now_w = time.monotonic(), time.time()
@@ -281,19 +270,13 @@ def test_with_its_own_providers_the_per_step_core_series_are_vllms_read_at_colle
     step, and every vLLM series on our endpoint has vLLM's value. With ``always_on`` exemplars
     (which those series then carry) the plugin records them itself, with the same values."""
     from prometheus_client import REGISTRY, generate_latest
-    from vllm.v1.metrics.loggers import StatLoggerManager, load_stat_logger_plugin_factories
 
     from otel_llm.integrations.vllm import OtelStatLogger
 
     monkeypatch.setenv("OTEL_METRICS_EXEMPLAR_FILTER", exemplar_filter)
     monkeypatch.setenv("OTEL_LLM_PREEMPTION_BUCKETS", ",".join(map(str, VLLM_PREEMPTION_BUCKETS)))
     vllm_config = _config(model_dir)
-    manager = StatLoggerManager(
-        vllm_config,
-        engine_idxs=[0, 1],
-        custom_stat_loggers=load_stat_logger_plugin_factories(),
-        enable_default_loggers=False,
-    )
+    manager = _manager(vllm_config, [0, 1])
     (ours,) = [s for s in manager.stat_loggers if isinstance(s, OtelStatLogger)]
     impl = ours._impl
     assert impl.steps_read is steps_read
