@@ -119,7 +119,8 @@ def _http_session() -> Any:
         def request(self, method: Any, url: Any, *args: Any, **kwargs: Any) -> Any:
             given = (k for k, v in kwargs.items() if v is not None)
             if not args and _PLAIN_ARGUMENTS.issuperset(given) and self._sends_plainly(url, kwargs):
-                headers = merge_setting(kwargs.get("headers"), self.headers, dict_class=CaseInsensitiveDict)
+                # A copy: without request headers, merge_setting gives the session's own.
+                headers = CaseInsensitiveDict(merge_setting(kwargs.get("headers"), self.headers))
                 headers["Accept-Encoding"] = "identity"  # the body is kept as it comes
                 response = self._plain.request(method, url, kwargs["data"], headers, kwargs.get("timeout"))
                 if response is not None and not (response.is_redirect and kwargs.get("allow_redirects", True)):

@@ -90,7 +90,9 @@ class ProviderInstruments:
         one, else ``own``'s (what the recorders hold)."""
 
         def callback(options: CallbackOptions) -> Iterator[Observation]:
-            if options is not self._collecting:  # the SDK gives one CallbackOptions per collection
+            # The SDK gives a collection's callbacks one CallbackOptions, unless its deadline is
+            # near (a flush's): then each its own, and each applies what is pending.
+            if options is not self._collecting:
                 self._collecting = options
                 self.before_collect()
             source = self.elsewhere.get(key)

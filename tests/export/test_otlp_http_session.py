@@ -167,6 +167,8 @@ def test_a_kept_connection_closed_by_the_server_is_replaced(collector) -> None:
         assert session.post(f"{c.url}/v1/traces", data=b"spans", timeout=10).status_code == 200
     assert [body for _, _, body in c.seen] == [b"spans"] * EXPORTS
     assert len({port for port, _, _ in c.seen}) == EXPORTS
+    assert [headers["accept-encoding"] for _, headers, _ in c.seen] == ["identity"] * EXPORTS
+    assert session.headers["Accept-Encoding"] == requests.utils.default_headers()["Accept-Encoding"]  # a copy
 
 
 def test_plain_http_failures_are_requests_errors(collector) -> None:
