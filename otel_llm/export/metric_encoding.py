@@ -187,6 +187,8 @@ _active: "contextvars.ContextVar[Optional[MetricEncoder]]" = contextvars.Context
     "otel_llm_metric_encoder", default=None
 )
 _installed: dict[str, bool] = {}
+_HTTP = "opentelemetry.exporter.otlp.proto.http.metric_exporter"
+_MODULES = (_HTTP, "opentelemetry.exporter.otlp.proto.grpc.metric_exporter")
 _install_lock = threading.Lock()
 
 
@@ -247,10 +249,6 @@ def _install(module_name: str) -> bool:
         module.encode_metrics = encode_metrics  # type: ignore[attr-defined]
         _installed[module_name] = True
         return True
-
-
-_HTTP = "opentelemetry.exporter.otlp.proto.http.metric_exporter"
-_MODULES = (_HTTP, "opentelemetry.exporter.otlp.proto.grpc.metric_exporter")
 
 
 class OwnMetricEncoding(MetricExporter):

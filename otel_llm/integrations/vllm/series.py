@@ -56,6 +56,7 @@ _REGISTERED_NAME: dict[str, Callable[[str], str]] = {
     "histogram": lambda name: f"{name}_bucket",
 }
 _SEMCONV_LABELS = {"model_name": "gen_ai.request.model", "engine": "llm.engine"}
+_ATTRIBUTE_SETS_KEPT = 4096  # of vLLM's series read; cleared when full (label values vLLM let grow)
 _construct_lock = threading.Lock()
 
 
@@ -278,6 +279,8 @@ class VllmSeries:
         key = (family.name, values)
         attributes = self._read_attributes.get(key)
         if attributes is None:
+            if len(self._read_attributes) >= _ATTRIBUTE_SETS_KEPT:
+                self._read_attributes.clear()
             rename = dict(zip(family.labelnames, family.otel_labels))
             attributes = self._read_attributes[key] = {rename.get(n, n): v for n, v in zip(names, values)}
         return attributes
