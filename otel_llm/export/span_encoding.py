@@ -6,7 +6,8 @@ Why: the OTLP exporters' encoder builds a protobuf message object per span, attr
 joins, and the encoding of what repeats from span to span (the resource, the scope, an
 attribute's key and value) is kept. The bytes are those the exporters' own encoder serialises
 (tests/export/test_span_encoding.py), except that spans are grouped by resource and scope
-object rather than by equal ones (one TracerProvider: one of each).
+object rather than by equal ones (one TracerProvider: one of each). :class:`OtlpEncoder` (resources,
+scopes, attributes) serves :mod:`otel_llm.export.metric_encoding` too.
 
 :class:`OwnEncoding` wraps an OTLP span exporter (HTTP or gRPC) of the SDK: while it exports, the
 exporter module's ``encode_spans`` gives this encoding (a message parsed from it for gRPC, whose

@@ -29,8 +29,9 @@ MODULES = {
 
 def _varied_metrics(temporality: AggregationTemporality = AggregationTemporality.CUMULATIVE):
     """Metrics of every kind the SDK makes: int and float sums (monotonic or not), gauges,
-    explicit and exponential histograms (negative values, exemplars with and without a trace),
-    units, descriptions, scope and resource attributes, attribute values of each type."""
+    explicit and exponential histograms (negative values where the SDK takes them, exemplars with
+    and without a trace), units, descriptions, resource attributes, attribute values of each
+    type. (A scope's attributes and schema URL: the oldest SDK's encoder drops them, below.)"""
     reader = InMemoryMetricReader(
         preferred_temporality={Counter: temporality} if temporality is AggregationTemporality.DELTA else None
     )
@@ -39,8 +40,8 @@ def _varied_metrics(temporality: AggregationTemporality = AggregationTemporality
         resource=Resource.create({"service.name": "vllm", "llm.engine": "0"}),
         views=[View(instrument_name="exponential", aggregation=ExponentialBucketHistogramAggregation())],
     )
-    meter = provider.get_meter("otel_llm", "1.2.3", schema_url="https://opentelemetry.io/schemas/1.26.0")
-    other = provider.get_meter("other", attributes={"scope.kind": "test"})
+    meter = provider.get_meter("otel_llm", "1.2.3")
+    other = provider.get_meter("other")
     labels: dict[str, Any] = {
         "model_name": "tiny",
         "engine": "0",
@@ -107,6 +108,23 @@ def test_the_encoding_is_the_sdk_encoders_byte_for_byte(make):
     expected = encode_metrics(data).SerializeToString()
     assert encoder.encode(data) == (expected, _points(data))
     assert encoder.encode(data) == (expected, _points(data))  # from what it kept
+
+
+def test_a_scopes_attributes_and_schema_url_are_encoded():
+    """What newer SDKs' encoders send and the oldest one's (1.28) drops: kept here on every SDK."""
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    schema = "https://opentelemetry.io/schemas/1.26.0"
+    provider.get_meter("otel_llm", "1.2.3", schema_url=schema, attributes={"scope.kind": "test"}).create_counter(
+        "tokens"
+    ).add(1)
+    data = reader.get_metrics_data()
+    assert data is not None
+    encoded, points = metric_encoding.MetricEncoder().encode(data)
+    scope_metrics = ExportMetricsServiceRequest.FromString(encoded).resource_metrics[0].scope_metrics[0]
+    assert points == 1 and scope_metrics.schema_url == schema
+    assert (scope_metrics.scope.name, scope_metrics.scope.version) == ("otel_llm", "1.2.3")
+    assert [(a.key, a.value.string_value) for a in scope_metrics.scope.attributes] == [("scope.kind", "test")]
 
 
 @pytest.mark.backend
