@@ -31,12 +31,20 @@ from opentelemetry.sdk.metrics.export import (
 )
 
 from otel_llm._sdk import metric_exporter
-from otel_llm.export.span_encoding import _PACK_DOUBLE, _PACK_FIXED64, OtlpEncoder, _field, _string, _uint, _varint
+from otel_llm.export.span_encoding import (
+    _PACK_DOUBLE,
+    _PACK_FIXED64,
+    OtlpEncoder,
+    _field,
+    _string,
+    _uint,
+    _varint,
+    keep,
+)
 
 _log = logging.getLogger(__name__)
 
 _PACK_SFIXED64 = struct.Struct("<q").pack
-_CACHED = 4096  # metric heads and bucket bounds kept; cleared when full
 
 
 def _sint(number: int, value: int) -> bytes:
@@ -77,9 +85,7 @@ class MetricEncoder(OtlpEncoder):
         ident = (metric.name, metric.description, metric.unit)
         head = self._heads.get(ident)
         if head is None:
-            if len(self._heads) >= _CACHED:
-                self._heads.clear()
-            head = self._heads[ident] = _string(1, ident[0]) + _string(2, ident[1]) + _string(3, ident[2])
+            head = keep(self._heads, ident, _string(1, ident[0]) + _string(2, ident[1]) + _string(3, ident[2]))
         data = metric.data
         points = data.data_points
         if isinstance(data, Gauge):
@@ -139,9 +145,7 @@ class MetricEncoder(OtlpEncoder):
         key = tuple(bounds)
         encoded = self._bounds.get(key)
         if encoded is None:
-            if len(self._bounds) >= _CACHED:
-                self._bounds.clear()
-            encoded = self._bounds[key] = _field(7, struct.pack(f"<{len(key)}d", *key))
+            encoded = keep(self._bounds, key, _field(7, struct.pack(f"<{len(key)}d", *key)))
         return encoded
 
     def _exponential(self, p: Any) -> bytes:

@@ -95,6 +95,14 @@ def _key_value(key: str, value: Any) -> bytes:
     return _string(1, key) + _field(2, _any_value(value))
 
 
+def keep(cache: dict[Any, bytes], key: Any, encoded: bytes) -> bytes:
+    """``encoded`` kept in ``cache`` under ``key`` (the cache cleared when full); returned."""
+    if len(cache) >= _CACHED_VALUES:
+        cache.clear()
+    cache[key] = encoded
+    return encoded
+
+
 class OtlpEncoder:
     """What OTLP's signals share: resources, scopes and attributes, their encodings kept."""
 
@@ -135,9 +143,7 @@ class OtlpEncoder:
         return b"".join(out)
 
     def _keep(self, ident: tuple, encoded: bytes) -> None:
-        if len(self._values) >= _CACHED_VALUES:
-            self._values.clear()
-        self._values[ident] = encoded
+        keep(self._values, ident, encoded)
 
     def _resource(self, resource: Any) -> bytes:
         kept = self._resources.get(id(resource))
@@ -202,9 +208,7 @@ class SpanEncoder(OtlpEncoder):
             parts.append(b"\x22\x08" + parent.span_id.to_bytes(8, "big"))
         name_kind = self._names.get((span.name, span.kind))
         if name_kind is None:
-            name_kind = self._names[(span.name, span.kind)] = _string(5, span.name) + _uint(6, span.kind.value + 1)
-            if len(self._names) > _CACHED_VALUES:
-                self._names.clear()
+            name_kind = keep(self._names, (span.name, span.kind), _string(5, span.name) + _uint(6, span.kind.value + 1))
         parts.append(name_kind)
         if span.start_time:
             parts.append(b"\x39" + _PACK_FIXED64(span.start_time))
@@ -237,10 +241,8 @@ class SpanEncoder(OtlpEncoder):
             ident = (status.description, status.status_code)
             encoded = self._statuses.get(ident)
             if encoded is None:
-                encoded = _field(15, _string(2, status.description) + _uint(3, status.status_code.value))
-                if len(self._statuses) > _CACHED_VALUES:
-                    self._statuses.clear()
-                self._statuses[ident] = encoded
+                body = _string(2, status.description) + _uint(3, status.status_code.value)
+                encoded = keep(self._statuses, ident, _field(15, body))
             parts.append(encoded)
         parts.append(b"\x85\x01" + _PACK_FIXED32(_flags(parent)))
         return _field(2, b"".join(parts))
