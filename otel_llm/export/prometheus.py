@@ -41,6 +41,8 @@ import bisect
 import gzip
 import inspect
 import logging
+import os
+import selectors
 import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -274,6 +276,34 @@ class _Server(ThreadingHTTPServer):
         self.render_lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(_MAX_CONNECTIONS)
         super().__init__(address, handler)
+        self.timeout = 0  # handle_request() after a select: never waits (a client gone since finds none)
+        self._wake_r, self._wake_w = os.pipe()
+        self._stopping = False
+        self._stopped = threading.Event()
+
+    def serve(self) -> None:
+        """Serves until :meth:`stop`, asleep between requests. socketserver's serve_forever wakes
+        every poll interval to look for a shutdown request, and each wake-up takes the GIL from
+        the engine's event loop; here a byte on a pipe wakes it."""
+        try:
+            with selectors.DefaultSelector() as selector:
+                selector.register(self, selectors.EVENT_READ)
+                selector.register(self._wake_r, selectors.EVENT_READ)
+                while not self._stopping:
+                    for key, _ in selector.select():
+                        if key.fileobj is self and not self._stopping:
+                            self.handle_request()
+        finally:
+            self._stopped.set()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stops :meth:`serve` (waiting for it up to ``timeout``) and closes the socket."""
+        self._stopping = True
+        os.write(self._wake_w, b"\0")
+        self._stopped.wait(timeout)
+        self.server_close()
+        for fd in (self._wake_r, self._wake_w):
+            os.close(fd)
 
     def process_request(self, request, client_address):
         if not self._slots.acquire(blocking=False):
@@ -394,8 +424,7 @@ class PrometheusEndpoint:
             self._server = server
             self.port = server.server_address[1]
             self._thread = threading.Thread(
-                target=server.serve_forever,
-                kwargs={"poll_interval": 0.2},
+                target=server.serve,
                 name=f"otel-llm-prometheus-{self.port}",
                 daemon=True,
             )
@@ -416,8 +445,7 @@ class PrometheusEndpoint:
             server, thread = self._server, self._thread
             self._server = self._thread = None
         if server is not None:
-            server.shutdown()
-            server.server_close()
+            server.stop()
         if thread is not None:
             thread.join(timeout=5)
         self.reader.shutdown()

@@ -274,6 +274,33 @@ def test_shutdown_idempotent_stops_serving_and_unregisters():
     endpoint.shutdown()
 
 
+def _context_switches(native_id: int) -> int:
+    with open(f"/proc/self/task/{native_id}/status") as f:
+        fields = dict(line.split(":", 1) for line in f if "ctxt_switches" in line)
+    return sum(int(v) for v in fields.values())
+
+
+def test_the_serving_thread_sleeps_between_scrapes():
+    """No wake-up while nobody scrapes (each would take the GIL from the engine's event loop);
+    a scrape and the shutdown still wake it. Over one second, a thread polling every 0.2 s would
+    be switched in at least 5 times."""
+    endpoint = PrometheusEndpoint(port=0)
+    mp = MeterProvider(metric_readers=[endpoint.reader])
+    mp.get_meter("t").create_counter("c").add(1)
+    endpoint.start()
+    thread = endpoint._thread
+    assert thread is not None and thread.native_id is not None
+    assert "c_total 1.0" in _scrape(endpoint.url)[0]
+    before = _context_switches(thread.native_id)
+    threading.Event().wait(1.0)  # an observation window, not a synchronisation
+    assert _context_switches(thread.native_id) == before
+    assert "c_total 1.0" in _scrape(endpoint.url)[0]
+    endpoint.shutdown()
+    thread.join(5)
+    assert not thread.is_alive()
+    mp.shutdown()
+
+
 def test_two_endpoints_do_not_share_series():
     """Own registry each: two providers (or vLLM's and ours) never see each other's series."""
     a, b = PrometheusEndpoint(port=0), PrometheusEndpoint(port=0)
