@@ -277,6 +277,16 @@ def table_lines(r: dict[str, Any]) -> list[str]:
     if "tokens_per_s" not in r:
         return [f"vllm_engine: ERROR {r.get('error')}"] if "error" in r else []
     tps, cpu = r["tokens_per_s"], r["api_server_cpu_ms_per_token"]
+    loop, others = r.get("event_loop_cpu_ms_per_token"), r.get("other_threads_cpu_ms_per_token")
+    split = (
+        [
+            f"   of which the event loop  off {loop['off']:.4f}  on {loop['on']:.4f} ms/token  "
+            f"ratio {r['event_loop_cpu_ratio_of_medians']:.3f}; other threads off {others['off']:.4f}  "
+            f"on {others['on']:.4f}"
+        ]
+        if loop is not None and others is not None
+        else []  # results from before the split
+    )
     return [
         f"5. vLLM's real CPU engine, plugin on / off ({r['load']['pairs']} pairs of {r['load']['requests']} requests)",
         f"   tokens/s        off {tps['off']:.0f}  on {tps['on']:.0f}  ratio of medians "
@@ -286,10 +296,7 @@ def table_lines(r: dict[str, Any]) -> list[str]:
         f"ratio of medians {r['api_server_cpu_ratio_of_medians']:.3f}  "
         f"paired median {r['api_server_cpu_ratio_paired_median']:.3f}",
         "   by block (server starts) " + "  ".join(f"{x:.3f}" for x in r["api_server_cpu_ratio_by_block"]),
-        f"   of which the event loop  off {r['event_loop_cpu_ms_per_token']['off']:.4f}  "
-        f"on {r['event_loop_cpu_ms_per_token']['on']:.4f} ms/token  ratio {r['event_loop_cpu_ratio_of_medians']:.3f}; "
-        f"other threads off {r['other_threads_cpu_ms_per_token']['off']:.4f}  "
-        f"on {r['other_threads_cpu_ms_per_token']['on']:.4f}",
+        *split,
         "   targets: " + ", ".join(f"{k}: {'met' if ok else 'MISSED'}" for k, ok in r["targets"].items()),
     ]
 
