@@ -61,3 +61,40 @@ def otel_samples(reader: Any, families: set[str]) -> dict[Key, float]:
 def otel_family_names(reader: Any) -> set[str]:
     data = reader.get_metrics_data()
     return {m.name for rm in (data.resource_metrics if data else ()) for sm in rm.scope_metrics for m in sm.metrics}
+
+
+def finished_request(**overrides: Any) -> Any:
+    """vLLM's FinishedRequestStats of one request (4 tokens, 2 preemptions), fields overridable."""
+    from vllm.v1.engine import FinishReason
+    from vllm.v1.metrics.stats import FinishedRequestStats
+
+    values = dict(
+        finish_reason=FinishReason.LENGTH,
+        request_id="q1",
+        e2e_latency=1.25,
+        num_prompt_tokens=10,
+        num_preemptions=2,
+        num_generation_tokens=4,
+        max_tokens_param=4,
+        queued_time=0.5,
+        prefill_time=0.25,
+        inference_time=0.7,
+        decode_time=0.45,
+        mean_time_per_output_token=0.15,
+    )
+    values.update(overrides)
+    return FinishedRequestStats(**values)
+
+
+def iteration_stats(finished: Any = ()) -> Any:
+    """vLLM's IterationStats of one step (3 tokens, one preemption) with ``finished`` requests."""
+    from vllm.v1.metrics.stats import IterationStats
+
+    it = IterationStats()
+    it.num_generation_tokens = 3
+    it.prompt_token_stats.computed = it.prompt_token_stats.total = 10
+    it.time_to_first_tokens_iter = [0.2]
+    it.inter_token_latencies_iter = [0.05, 0.06]
+    it.num_preempted_reqs = 1
+    it.finished_requests = list(finished)
+    return it

@@ -9,7 +9,7 @@ import time
 import types
 
 import pytest
-from samples import otel_samples
+from samples import finished_request, iteration_stats, otel_samples
 
 LOGGER = "otel_llm.integrations.vllm"
 
@@ -24,41 +24,6 @@ def _logger(vllm_config):
     )
     (ours,) = [s for s in manager.stat_loggers if isinstance(s, OtelStatLogger)]
     return manager, ours
-
-
-def _finished(**overrides):
-    from vllm.v1.engine import FinishReason
-    from vllm.v1.metrics.stats import FinishedRequestStats
-
-    values = dict(
-        finish_reason=FinishReason.LENGTH,
-        request_id="q1",
-        e2e_latency=1.25,
-        num_prompt_tokens=10,
-        num_preemptions=2,
-        num_generation_tokens=4,
-        max_tokens_param=4,
-        queued_time=0.5,
-        prefill_time=0.25,
-        inference_time=0.7,
-        decode_time=0.45,
-        mean_time_per_output_token=0.15,
-    )
-    values.update(overrides)
-    return FinishedRequestStats(**values)
-
-
-def _iteration(finished=()):
-    from vllm.v1.metrics.stats import IterationStats
-
-    it = IterationStats()
-    it.num_generation_tokens = 3
-    it.prompt_token_stats.computed = it.prompt_token_stats.total = 10
-    it.time_to_first_tokens_iter = [0.2]
-    it.inter_token_latencies_iter = [0.05, 0.06]
-    it.num_preempted_reqs = 1
-    it.finished_requests = list(finished)
-    return it
 
 
 def _ours(o, model, families):
@@ -85,7 +50,7 @@ def test_renamed_iteration_field_degrades_that_metric_with_one_warning(otel, vll
     model = vllm_config.model_config.served_model_name
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         for _ in range(3):
-            it = _iteration()
+            it = iteration_stats()
             it.itl_iter = it.__dict__.pop("inter_token_latencies_iter")  # renamed
             ours.record(scheduler_stats=None, iteration_stats=it, engine_idx=0)
         # Read first: the steps are translated when a collection applies them (defer_steps).
@@ -114,14 +79,14 @@ def test_missing_or_retyped_finished_request_field(otel, vllm_config, caplog):
     o = otel()
     manager, ours = _logger(vllm_config)
     model = vllm_config.model_config.served_model_name
-    renamed = dataclasses.asdict(_finished())
+    renamed = dataclasses.asdict(finished_request())
     renamed["queue_time"] = renamed.pop("queued_time")  # a future vLLM renames a field
-    renamed["finish_reason"] = _finished().finish_reason
+    renamed["finish_reason"] = finished_request().finish_reason
     renamed = types.SimpleNamespace(**renamed)
-    retyped = _finished(request_id="q2", decode_time="0.45")  # a field changes type
+    retyped = finished_request(request_id="q2", decode_time="0.45")  # a field changes type
     with caplog.at_level(logging.WARNING, logger=LOGGER):
-        ours.record(scheduler_stats=None, iteration_stats=_iteration([renamed, retyped]), engine_idx=0)
-        ours.record(scheduler_stats=None, iteration_stats=_iteration([renamed, retyped]), engine_idx=0)
+        ours.record(scheduler_stats=None, iteration_stats=iteration_stats([renamed, retyped]), engine_idx=0)
+        ours.record(scheduler_stats=None, iteration_stats=iteration_stats([renamed, retyped]), engine_idx=0)
         got = _ours(
             o,
             model,
@@ -190,7 +155,7 @@ def test_a_failing_core_is_contained_counted_and_reported(otel, vllm_config, cap
     monkeypatch.setattr(ours.telemetry[0], "record_iteration", boom)
     with caplog.at_level(logging.WARNING):
         for _ in range(3):
-            ours.record(scheduler_stats=None, iteration_stats=_iteration(), engine_idx=0)
+            ours.record(scheduler_stats=None, iteration_stats=iteration_stats(), engine_idx=0)
         ours.telemetry[0].flush()  # the steps are translated together (defer_steps)
     reports = [r for r in caplog.records if "internal_error" in r.getMessage()]
     assert len(reports) == 1 and "core bug" in caplog.text  # one report for the three
@@ -201,7 +166,7 @@ def test_a_failing_core_is_contained_counted_and_reported(otel, vllm_config, cap
 def test_iteration_timestamp_missing_falls_back_to_now(otel, vllm_config, caplog):
     o = otel()
     manager, ours = _logger(vllm_config)
-    it = _iteration([_finished()])
+    it = iteration_stats([finished_request()])
     del it.iteration_timestamp
     before = time.time_ns()
     with caplog.at_level(logging.WARNING, logger=LOGGER):

@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 from conftest import VLLM_PREEMPTION_BUCKETS
-from samples import otel_samples, vllm_samples
+from samples import finished_request, iteration_stats, otel_samples, vllm_samples
 
 from otel_llm.testing.vllm.stream import build, default_specs, run
 
@@ -258,6 +258,51 @@ def test_vllms_values_read_directly_are_those_of_its_collected_samples(otel, vll
     assert series._read_values(gauge) is None
     attributes = dict(zip(gauge.otel_labels, values))
     assert [o.value for o in series.read(gauge) if o.attributes == attributes] == [42.0]
+
+
+def test_beside_vllms_logger_finished_requests_are_translated_together(plugin_endpoint, model_dir):
+    """Where vLLM's logger records the per-step series, the steps with finished requests are kept
+    and translated together (their metrics and spans): after 16 such steps, when the engine goes
+    idle, at vLLM's periodic log() and at a collection, whichever comes first."""
+    from vllm.v1.metrics.stats import SchedulerStats
+
+    from otel_llm.integrations.vllm import OtelStatLogger
+
+    manager = _manager(_config(model_dir), [0])
+    (ours,) = [s for s in manager.stat_loggers if isinstance(s, OtelStatLogger)]
+    impl = ours._impl
+    assert impl.steps_read
+    tel = impl.telemetry[0]
+
+    def translated() -> int:
+        return sum(tel.metrics.by_finish.values())
+
+    def step(n: int, running: int = 1) -> None:
+        for i in range(n):
+            manager.record(
+                scheduler_stats=SchedulerStats(num_running_reqs=running, num_waiting_reqs=0),
+                iteration_stats=iteration_stats([finished_request(request_id=f"q{translated()}-{i}")]),
+                engine_idx=0,
+            )
+
+    step(15)
+    assert translated() == 0
+    step(1)  # the 16th
+    assert translated() == 16
+    step(2)
+    assert translated() == 16
+    step(1, running=0)  # idle
+    assert translated() == 19
+    step(3)
+    manager.log()
+    assert translated() == 22
+    step(2)
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{impl.handle.prometheus_port}/metrics", timeout=30)
+    assert translated() == 24
+    text = metrics.read().decode()
+    model = impl.model_name
+    line = f'vllm:request_success_total{{engine="0",finished_reason="length",model_name="{model}"}} 24.0'
+    assert line in text
 
 
 @pytest.mark.parametrize("exemplar_filter, steps_read", [("trace_based", True), ("always_on", False)])

@@ -295,13 +295,14 @@ class VllmAdapter:
         if self.steps_read and not getattr(iteration_stats, "finished_requests", None):
             return  # only the finished requests are left to translate, a few steps in a hundred
         step = (scheduler_stats, iteration_stats, mm_cache_stats, time.time() - time.monotonic())
-        # At once: other API servers read the published gauges; finished requests are few.
-        if self.gauges is not None or self.steps_read:
+        if self.gauges is not None:  # at once: other API servers read the published gauges
             self._record(tel, idx, (step,))
             return
         # Translated with the next steps' (defer_steps), all together: between two engine steps
         # the server's other work evicts the caches, and the translation costs two to three
-        # times more cold; together, each step's share of the calls is smaller too.
+        # times more cold (a finished request's metrics and span: 72 us one by one on vLLM's
+        # event loop); together, each step's share of the calls is smaller too. Applied at the
+        # latest at the next collection, flush or call of log() (vLLM's stats interval).
         self._kept[idx].append(step)
         idle = (
             scheduler_stats is not None
@@ -374,6 +375,12 @@ class VllmAdapter:
                 error_type=a.error_type,
             )
             tel.record_finished(summary, a.trace.carrier, metrics=False)
+
+    def logged(self) -> None:
+        """vLLM's periodic ``log()``: the steps kept are applied (their spans and metrics), and
+        the requests ended without vLLM's stats get their spans."""
+        _apply_kept_steps(self.telemetry)
+        self.record_ended()
 
     def stopped(self) -> None:
         """vLLM stops or its engine died: the requests ended then get their spans, and the

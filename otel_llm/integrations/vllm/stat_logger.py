@@ -140,9 +140,10 @@ def _make_adding_class() -> type:
         @_guard
         def log(self) -> None:
             # Metrics are pulled by readers / pushed by the periodic exporter; vLLM calls this
-            # every few seconds, also when no request runs: spans of aborted requests go out.
+            # every few seconds, also when no request runs: the steps kept and the spans of
+            # aborted requests go out.
             if self._impl is not None:
-                self._impl.record_ended()
+                self._impl.logged()
 
         @_guard
         def record_sleep_state(self, *args: Any, **kwargs: Any) -> None:
