@@ -176,3 +176,27 @@ def test_iteration_timestamp_missing_falls_back_to_now(otel, vllm_config, caplog
     assert before - 10**8 <= span.end_time <= time.time_ns() + 10**8
     assert span.end_time - span.start_time == pytest.approx(1.25e9, abs=1e3)
     assert sum("iteration_timestamp is missing" in w for w in _warnings(caplog)) == 1
+
+
+def test_an_exception_in_a_stat_logger_call_stays_in_the_plugin(otel, vllm_config, caplog, monkeypatch):
+    """Whatever the adapter raises, vLLM's calls return; one error line per method and exception type."""
+    from otel_llm.integrations.vllm import stat_logger
+
+    monkeypatch.setattr(stat_logger, "_reported", set())  # what earlier tests reported in this process
+    otel()
+    manager, ours = _logger(vllm_config)
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("adapter bug")
+
+    monkeypatch.setattr(ours._impl, "record", boom)
+    monkeypatch.setattr(ours._impl, "logged", boom)
+    with caplog.at_level(logging.ERROR, logger=LOGGER):
+        for _ in range(3):
+            manager.record(scheduler_stats=None, iteration_stats=iteration_stats(), engine_idx=0)
+            manager.log()
+    failed = [r.getMessage() for r in caplog.records if "failed (reported once per error type)" in r.getMessage()]
+    assert failed == [
+        "otel-llm vLLM adapter: record failed (reported once per error type)",
+        "otel-llm vLLM adapter: log failed (reported once per error type)",
+    ]

@@ -287,11 +287,13 @@ class VllmAdapter:
 
     def record(self, scheduler_stats: Any, iteration_stats: Any, engine_idx: int, mm_cache_stats: Any = None) -> None:
         idx = engine_idx if isinstance(engine_idx, int) else 0
-        tel = self._engine(idx)
+        tel = self.telemetry.get(idx) or self._engine(idx)  # each step: the lookup inline
         if tel is None or (scheduler_stats is None and iteration_stats is None):
             self.call_series("record", scheduler_stats, iteration_stats, mm_cache_stats=mm_cache_stats, engine_idx=idx)
             return
-        self.record_ended()
+        hook = self._deep_hook
+        if hook is not None and (hook.ended or hook.lost[0]):
+            self.record_ended()
         if self.steps_read and not getattr(iteration_stats, "finished_requests", None):
             return  # only the finished requests are left to translate, a few steps in a hundred
         step = (scheduler_stats, iteration_stats, mm_cache_stats, time.time() - time.monotonic())

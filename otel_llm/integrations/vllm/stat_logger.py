@@ -47,18 +47,25 @@ def _vllm_bases() -> tuple[type, ...]:
     return _base_cache["bases"]
 
 
+_reported: set[tuple[str, str]] = set()
+
+
+def _report(method: str, exc: Exception) -> None:
+    """A stat-logger call failed: logged once per (method, exception type), never raised into vLLM."""
+    key = (method, type(exc).__name__)
+    if key not in _reported:
+        _reported.add(key)
+        _log.error("otel-llm vLLM adapter: %s failed (reported once per error type)", method, exc_info=exc)
+
+
 def _guard(method: Callable) -> Callable:
     """Never let an exception reach vLLM: log it once per (method, exception type)."""
-    seen: set[str] = set()
 
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         try:
             return method(self, *args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - nothing raises into vLLM from a stat-logger call
-            key = type(exc).__name__
-            if key not in seen:
-                seen.add(key)
-                _log.exception("otel-llm vLLM adapter: %s failed (reported once per error type)", method.__name__)
+            _report(method.__name__, exc)
             return None
 
     wrapper.__name__ = method.__name__
@@ -113,7 +120,6 @@ def _make_adding_class() -> type:
 
         replaces_vllm_logger = False  # replace mode's class: True
 
-        @_guard
         def record(
             self,
             scheduler_stats: Any,
@@ -123,8 +129,12 @@ def _make_adding_class() -> type:
             *args: Any,
             **kwargs: Any,
         ) -> None:
+            # Guarded inline, not by @_guard: vLLM calls it each engine step, one call fewer.
             if self._impl is not None:
-                self._impl.record(scheduler_stats, iteration_stats, engine_idx, mm_cache_stats)
+                try:
+                    self._impl.record(scheduler_stats, iteration_stats, engine_idx, mm_cache_stats)
+                except Exception as exc:  # noqa: BLE001 - nothing raises into vLLM from a stat-logger call
+                    _report("record", exc)
 
         @_guard
         def log_engine_initialized(self) -> None:
