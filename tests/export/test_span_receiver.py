@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import urllib.error
 import urllib.request
+from typing import Any
 
 import pytest
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcSpanExporter
@@ -18,7 +19,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from otel_llm.testing.span_receiver import SpanReceiver, span_attributes
 
 
-def _send_span(exporter, name: str, tokens: int) -> None:
+def _send_span(exporter: Any, name: str, tokens: int) -> None:
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     with provider.get_tracer("t").start_as_current_span(name) as span:
@@ -37,7 +38,9 @@ def test_spans_over_grpc_and_http_and_metric_exports_counted():
         meters = MeterProvider(metric_readers=[reader])
         meters.get_meter("t").create_counter("c").add(1)
         exporter = OTLPMetricExporter(endpoint=receiver.http_endpoint + "/v1/metrics")
-        assert exporter.export(reader.get_metrics_data()).name == "SUCCESS"
+        data = reader.get_metrics_data()
+        assert data is not None
+        assert exporter.export(data).name == "SUCCESS"
         meters.shutdown()
 
         assert [span_attributes(s)["gen_ai.usage.output_tokens"] for s in receiver.named("over_grpc")] == [3]
