@@ -15,10 +15,7 @@ where the exporter reads the message); for every other caller it is the SDK's, u
 from __future__ import annotations
 
 import contextvars
-import importlib
-import logging
 import struct
-import threading
 from typing import Any, Callable, Optional, Sequence
 
 from opentelemetry.sdk.metrics.export import (
@@ -39,10 +36,9 @@ from otel_llm.export.span_encoding import (
     _string,
     _uint,
     _varint,
+    install_encoder,
     keep,
 )
-
-_log = logging.getLogger(__name__)
 
 _PACK_SFIXED64 = struct.Struct("<q").pack
 
@@ -190,10 +186,8 @@ class MetricEncoder(OtlpEncoder):
 _active: "contextvars.ContextVar[Optional[MetricEncoder]]" = contextvars.ContextVar(
     "otel_llm_metric_encoder", default=None
 )
-_installed: dict[str, bool] = {}
 _HTTP = "opentelemetry.exporter.otlp.proto.http.metric_exporter"
 _MODULES = (_HTTP, "opentelemetry.exporter.otlp.proto.grpc.metric_exporter")
-_install_lock = threading.Lock()
 
 
 class _Encoded:
@@ -202,9 +196,8 @@ class _Encoded:
 
     __slots__ = ("data", "points")
 
-    def __init__(self, data: bytes, points: int) -> None:
-        self.data = data
-        self.points = points
+    def __init__(self, encoded: tuple[bytes, int]) -> None:
+        self.data, self.points = encoded
 
     def SerializeToString(self) -> bytes:
         return self.data
@@ -212,47 +205,25 @@ class _Encoded:
     SerializePartialToString = SerializeToString
 
 
-def _message(data: bytes, points: int) -> Any:
+def _message(encoded: tuple[bytes, int]) -> Any:
     from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 
-    return ExportMetricsServiceRequest.FromString(data)
+    return ExportMetricsServiceRequest.FromString(encoded[0])
 
 
-def _install(module_name: str) -> bool:
-    """``module_name``'s ``encode_metrics`` made to use the active encoder: its bytes where the
-    module reads only those and the point count (``_count_data_points``), else a message parsed
-    from them. False where the module has no ``encode_metrics``."""
-    with _install_lock:
-        if module_name in _installed:
-            return _installed[module_name]
-        module = importlib.import_module(module_name)
-        original = getattr(module, "encode_metrics", None)
-        if not callable(original):
-            _installed[module_name] = False
-            return False
-        count = getattr(module, "_count_data_points", None)
-        wrap: Callable[[bytes, int], Any] = _message
-        if module_name == _HTTP and callable(count):
-            wrap = _Encoded
+def _wrap_for(module: Any) -> Callable[[tuple[bytes, int]], Any]:
+    """What the module's ``encode_metrics`` returns: the bytes where the module reads only those
+    and the point count (its ``_count_data_points``, made to read ours), else a message parsed
+    from them."""
+    count = getattr(module, "_count_data_points", None)
+    if module.__name__ != _HTTP or not callable(count):
+        return _message
 
-            def count_data_points(request: Any, sdk_count: Callable[[Any], int] = count) -> int:
-                return request.points if isinstance(request, _Encoded) else sdk_count(request)
+    def count_data_points(request: Any, sdk_count: Callable[[Any], int] = count) -> int:
+        return request.points if isinstance(request, _Encoded) else sdk_count(request)
 
-            module._count_data_points = count_data_points  # type: ignore[attr-defined]
-
-        def encode_metrics(data: Any) -> Any:
-            encoder = _active.get()
-            if encoder is None:
-                return original(data)
-            try:
-                return wrap(*encoder.encode(data))
-            except Exception:  # noqa: BLE001 - the SDK's encoding, which reports what it cannot encode
-                _log.warning("otel_llm: metric encoding failed; the SDK's encoder is used", exc_info=True)
-                return original(data)
-
-        module.encode_metrics = encode_metrics  # type: ignore[attr-defined]
-        _installed[module_name] = True
-        return True
+    module._count_data_points = count_data_points
+    return _Encoded
 
 
 class OwnMetricEncoding(MetricExporter):
@@ -266,7 +237,9 @@ class OwnMetricEncoding(MetricExporter):
         self._encoder = MetricEncoder()
         module = type(exporter).__module__
         self.enabled = (
-            module in _MODULES and getattr(exporter, "_max_export_batch_size", None) is None and _install(module)
+            module in _MODULES
+            and getattr(exporter, "_max_export_batch_size", None) is None
+            and install_encoder(module, "encode_metrics", _active, _wrap_for, "metric")
         )
 
     def export(self, metrics_data: Any, timeout_millis: float = 10_000, **kwargs: Any) -> MetricExportResult:

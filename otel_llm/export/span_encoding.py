@@ -254,7 +254,7 @@ def _flags(parent: Any) -> int:
 
 # The encoder of the OwnEncoding exporting in this context (None: the SDK's encoding).
 _active: "contextvars.ContextVar[Optional[SpanEncoder]]" = contextvars.ContextVar("otel_llm_span_encoder", default=None)
-_installed: set[str] = set()
+_installed: dict[str, bool] = {}  # by module, of every signal: whether its encoding function is ours
 _install_lock = threading.Lock()
 
 
@@ -276,29 +276,40 @@ def _as_message(data: bytes) -> Any:
     return ExportTraceServiceRequest.FromString(data)
 
 
-def _install(module_name: str, wrap: Callable[[bytes], Any]) -> bool:
-    """``module_name``'s ``encode_spans`` made to use the active encoder; False where the module
-    has none (an SDK whose exporter encodes otherwise: its own encoding is used)."""
+def install_encoder(
+    module_name: str,
+    function: str,
+    active: "contextvars.ContextVar[Any]",
+    wrap_for: Callable[[Any], Callable[[Any], Any]],
+    signal: str,
+) -> bool:
+    """``module_name``'s ``function`` (an exporter module's ``encode_spans`` or ``encode_metrics``)
+    made to use the encoder that ``active`` holds in the exporting context, its result handed to
+    the exporter as ``wrap_for(module)`` makes it (called once, at the install); the SDK's
+    encoding where none is active or the encoder fails. False where the module has no such
+    function (an SDK whose exporter encodes otherwise: its own encoding is used)."""
     with _install_lock:
         if module_name in _installed:
-            return True
+            return _installed[module_name]
         module = importlib.import_module(module_name)
-        original = getattr(module, "encode_spans", None)
+        original = getattr(module, function, None)
         if not callable(original):
+            _installed[module_name] = False
             return False
+        wrap = wrap_for(module)
 
-        def encode_spans(spans: Sequence[Any]) -> Any:
-            encoder = _active.get()
+        def encode(batch: Any) -> Any:
+            encoder = active.get()
             if encoder is None:
-                return original(spans)
+                return original(batch)
             try:
-                return wrap(encoder.encode(spans))
+                return wrap(encoder.encode(batch))
             except Exception:  # noqa: BLE001 - the SDK's encoding, which reports what it cannot encode
-                _log.warning("otel_llm: span encoding failed; the SDK's encoder is used", exc_info=True)
-                return original(spans)
+                _log.warning("otel_llm: %s encoding failed; the SDK's encoder is used", signal, exc_info=True)
+                return original(batch)
 
-        module.encode_spans = encode_spans  # type: ignore[attr-defined]
-        _installed.add(module_name)
+        setattr(module, function, encode)
+        _installed[module_name] = True
         return True
 
 
@@ -317,7 +328,9 @@ class OwnEncoding(SpanExporter):
         self._encoder = SpanEncoder()
         module = type(exporter).__module__
         # Not for another exporter class, nor where the module encodes otherwise (the SDK's then).
-        self.enabled = module in _MODULES and _install(module, _MODULES[module])
+        self.enabled = module in _MODULES and install_encoder(
+            module, "encode_spans", _active, lambda _: _MODULES[module], "span"
+        )
 
     def export(self, spans: Sequence[Any]) -> SpanExportResult:
         token = _active.set(self._encoder if self.enabled else None)
