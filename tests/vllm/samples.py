@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Sequence
 
 Key = tuple[str, frozenset]
 
@@ -98,3 +98,20 @@ def iteration_stats(finished: Any = ()) -> Any:
     it.num_preempted_reqs = 1
     it.finished_requests = list(finished)
     return it
+
+
+def plugin_manager(vllm_config: Any, engine_idxs: Sequence[int] = (0,)) -> tuple[Any, Any]:
+    """vLLM's StatLoggerManager with the stat-logger plugins loaded as vLLM loads them (vLLM's own
+    loggers only where the plugin builds them), and our logger in it."""
+    from vllm.v1.metrics.loggers import StatLoggerManager, load_stat_logger_plugin_factories
+
+    from otel_llm.integrations.vllm import OtelStatLogger
+
+    manager = StatLoggerManager(
+        vllm_config,
+        engine_idxs=list(engine_idxs),
+        custom_stat_loggers=load_stat_logger_plugin_factories(),
+        enable_default_loggers=False,
+    )
+    (ours,) = [s for s in manager.stat_loggers if isinstance(s, OtelStatLogger)]
+    return manager, ours

@@ -7,24 +7,9 @@ import logging
 import time
 
 import pytest
-from samples import otel_samples
+from samples import otel_samples, plugin_manager
 
 from otel_llm.testing.vllm.stream import build, default_specs, run
-
-
-def _manager(vllm_config, engine_idxs=(0,)):
-    from vllm.v1.metrics.loggers import StatLoggerManager, load_stat_logger_plugin_factories
-
-    from otel_llm.integrations.vllm import OtelStatLogger
-
-    manager = StatLoggerManager(
-        vllm_config,
-        engine_idxs=list(engine_idxs),
-        custom_stat_loggers=load_stat_logger_plugin_factories(),
-        enable_default_loggers=False,
-    )
-    (ours,) = [s for s in manager.stat_loggers if isinstance(s, OtelStatLogger)]
-    return manager, ours
 
 
 def _spans_by_request(o):
@@ -34,7 +19,7 @@ def _spans_by_request(o):
 def test_deep_hook_puts_a_span_event_at_each_preemption(otel, vllm_config, monkeypatch):
     monkeypatch.setenv("OTEL_LLM_VLLM_DEEP_HOOK", "1")
     o = otel()
-    manager, ours = _manager(vllm_config)
+    manager, ours = plugin_manager(vllm_config)
     from otel_llm.integrations.vllm import deep_hook as vllm_deep_hook
 
     assert vllm_deep_hook.is_installed()
@@ -77,7 +62,7 @@ def test_deep_hook_puts_a_span_event_at_each_preemption(otel, vllm_config, monke
 
 def test_without_deep_hook_spans_carry_the_exact_count_only(otel, vllm_config):
     o = otel()
-    manager, _ = _manager(vllm_config)
+    manager, _ = plugin_manager(vllm_config)
     from otel_llm.integrations.vllm import deep_hook as vllm_deep_hook
 
     assert not vllm_deep_hook.is_installed()
@@ -102,8 +87,8 @@ def test_deep_hook_refuses_an_untested_vllm_version_once_and_falls_back(otel, vl
 
     original = IterationStats.update_from_events
     with caplog.at_level(logging.WARNING, logger="otel_llm.integrations.vllm.deep_hook"):
-        manager, _ = _manager(vllm_config)
-        _manager(vllm_config)  # a second logger: no second warning
+        manager, _ = plugin_manager(vllm_config)
+        plugin_manager(vllm_config)  # a second logger: no second warning
         from otel_llm.integrations.vllm import deep_hook as vllm_deep_hook
 
         vllm_deep_hook.register()  # nor from the general-plugin entry point
@@ -163,7 +148,7 @@ def test_requests_in_flight_when_vllm_stops_or_its_engine_dies_get_one_span_each
     counted in vLLM's metrics for them, and a later abort of the same requests adds nothing."""
     monkeypatch.setenv("OTEL_LLM_VLLM_DEEP_HOOK", "1")
     o = otel()
-    manager, ours = _manager(vllm_config)
+    manager, ours = plugin_manager(vllm_config)
     from vllm.v1.engine.async_llm import AsyncLLM
     from vllm.v1.engine.exceptions import EngineDeadError
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 from conftest import VLLM_PREEMPTION_BUCKETS
-from samples import otel_family_names, otel_samples, vllm_samples
+from samples import otel_family_names, otel_samples, plugin_manager, vllm_samples
 
 from otel_llm.testing.vllm.stream import build, default_specs, run
 
@@ -39,20 +39,12 @@ CORE = {
 
 
 def _manager(vllm_config):
-    from vllm.v1.metrics.loggers import PrometheusStatLogger, StatLoggerManager, load_stat_logger_plugin_factories
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
 
-    from otel_llm.integrations.vllm import OtelStatLogger
-
-    manager = StatLoggerManager(
-        vllm_config,
-        engine_idxs=[0, 1],
-        custom_stat_loggers=load_stat_logger_plugin_factories(),
-        enable_default_loggers=False,
-    )
-    ours = [s for s in manager.stat_loggers if isinstance(s, OtelStatLogger)]
+    manager, ours = plugin_manager(vllm_config, [0, 1])
     theirs = [s for s in manager.stat_loggers if isinstance(s, PrometheusStatLogger)]
-    assert len(ours) == 1 and len(theirs) == 1, manager.stat_loggers
-    return manager, ours[0]
+    assert len(theirs) == 1, manager.stat_loggers
+    return manager, ours
 
 
 def _run_two_engines(vllm_config):

@@ -9,21 +9,9 @@ import time
 import types
 
 import pytest
-from samples import finished_request, iteration_stats, otel_samples
+from samples import finished_request, iteration_stats, otel_samples, plugin_manager
 
 LOGGER = "otel_llm.integrations.vllm"
-
-
-def _logger(vllm_config):
-    from vllm.v1.metrics.loggers import StatLoggerManager, load_stat_logger_plugin_factories
-
-    from otel_llm.integrations.vllm import OtelStatLogger
-
-    manager = StatLoggerManager(
-        vllm_config, custom_stat_loggers=load_stat_logger_plugin_factories(), enable_default_loggers=False
-    )
-    (ours,) = [s for s in manager.stat_loggers if isinstance(s, OtelStatLogger)]
-    return manager, ours
 
 
 def _ours(o, model, families):
@@ -46,7 +34,7 @@ def _warnings(caplog):
 
 def test_renamed_iteration_field_degrades_that_metric_with_one_warning(otel, vllm_config, caplog):
     o = otel()
-    manager, ours = _logger(vllm_config)
+    manager, ours = plugin_manager(vllm_config)
     model = vllm_config.model_config.served_model_name
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         for _ in range(3):
@@ -77,7 +65,7 @@ def test_renamed_iteration_field_degrades_that_metric_with_one_warning(otel, vll
 
 def test_missing_or_retyped_finished_request_field(otel, vllm_config, caplog):
     o = otel()
-    manager, ours = _logger(vllm_config)
+    manager, ours = plugin_manager(vllm_config)
     model = vllm_config.model_config.served_model_name
     renamed = dataclasses.asdict(finished_request())
     renamed["queue_time"] = renamed.pop("queued_time")  # a future vLLM renames a field
@@ -113,7 +101,7 @@ def test_missing_or_retyped_finished_request_field(otel, vllm_config, caplog):
 
 def test_scheduler_stats_of_another_shape(otel, vllm_config, caplog):
     o = otel()
-    manager, ours = _logger(vllm_config)
+    manager, ours = plugin_manager(vllm_config)
     model = vllm_config.model_config.served_model_name
     sched = types.SimpleNamespace(num_running_reqs=3, num_waiting_reqs=2, kv_usage=0.5)  # kv_cache_usage renamed
     with caplog.at_level(logging.WARNING, logger=LOGGER):
@@ -136,7 +124,7 @@ def test_scheduler_stats_of_another_shape(otel, vllm_config, caplog):
 )
 def test_nothing_raises_into_vllm(otel, vllm_config, caplog, garbage):
     otel()
-    manager, ours = _logger(vllm_config)
+    manager, ours = plugin_manager(vllm_config)
     sched, it = garbage
     with caplog.at_level(logging.WARNING):
         for _ in range(2):
@@ -147,7 +135,7 @@ def test_nothing_raises_into_vllm(otel, vllm_config, caplog, garbage):
 
 def test_a_failing_core_is_contained_counted_and_reported(otel, vllm_config, caplog, monkeypatch):
     o = otel()
-    manager, ours = _logger(vllm_config)
+    manager, ours = plugin_manager(vllm_config)
 
     def boom(*args, **kwargs):
         raise RuntimeError("core bug")
@@ -165,7 +153,7 @@ def test_a_failing_core_is_contained_counted_and_reported(otel, vllm_config, cap
 
 def test_iteration_timestamp_missing_falls_back_to_now(otel, vllm_config, caplog):
     o = otel()
-    manager, ours = _logger(vllm_config)
+    manager, ours = plugin_manager(vllm_config)
     it = iteration_stats([finished_request()])
     del it.iteration_timestamp
     before = time.time_ns()
@@ -184,7 +172,7 @@ def test_an_exception_in_a_stat_logger_call_stays_in_the_plugin(otel, vllm_confi
 
     monkeypatch.setattr(stat_logger, "_reported", set())  # what earlier tests reported in this process
     otel()
-    manager, ours = _logger(vllm_config)
+    manager, ours = plugin_manager(vllm_config)
 
     def boom(*args, **kwargs):
         raise RuntimeError("adapter bug")

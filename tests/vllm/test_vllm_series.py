@@ -12,24 +12,12 @@ import urllib.request
 
 import pytest
 from conftest import VLLM_PREEMPTION_BUCKETS
-from samples import finished_request, iteration_stats, otel_samples, vllm_samples
+from samples import finished_request, iteration_stats, otel_samples, plugin_manager, vllm_samples
 
 from otel_llm.testing.vllm.stream import build, default_specs, run
 
 TTFT_BUCKETS = [0.1, 1.0, 10.0]
 PREEMPTION_BUCKETS = [1.0, 2.0, 5.0]
-
-
-def _manager(vllm_config, engine_idxs):
-    """vLLM's StatLoggerManager with the stat-logger plugins loaded as vLLM loads them."""
-    from vllm.v1.metrics.loggers import StatLoggerManager, load_stat_logger_plugin_factories
-
-    return StatLoggerManager(
-        vllm_config,
-        engine_idxs=engine_idxs,
-        custom_stat_loggers=load_stat_logger_plugin_factories(),
-        enable_default_loggers=False,
-    )
 
 
 @pytest.fixture
@@ -68,10 +56,7 @@ def _samples(text: str) -> dict[tuple[str, frozenset], float]:
 def _run(vllm_config, scheduler_stats):
     from prometheus_client import REGISTRY, generate_latest
 
-    from otel_llm.integrations.vllm import OtelStatLogger
-
-    manager = _manager(vllm_config, [0])
-    (ours,) = [s for s in manager.stat_loggers if isinstance(s, OtelStatLogger)]
+    manager, ours = plugin_manager(vllm_config)
     manager.log_engine_initialized()
     run(manager, {0: build(default_specs("s-"), time.monotonic(), time.time())})
     manager.record(scheduler_stats=scheduler_stats, iteration_stats=None, engine_idx=0)
@@ -164,7 +149,7 @@ def test_semconv_profile_names_vllms_other_series_without_a_vllm_colon_name(otel
     """In the semconv profile vLLM's other series are ``vllm.<name>`` with GenAI label names."""
 
     o = otel(naming="semconv")
-    manager = _manager(vllm_config, [0])
+    manager, _ = plugin_manager(vllm_config)
     run(manager, {0: build(default_specs("n-"), time.monotonic(), time.time())})
     data = o.reader.get_metrics_data()
     points = {
@@ -189,11 +174,8 @@ def test_beside_vllms_logger_its_series_are_read_not_recorded_again(otel, vllm_c
     from prometheus_client import REGISTRY
     from vllm.v1.metrics.loggers import PrometheusStatLogger
 
-    from otel_llm.integrations.vllm import OtelStatLogger
-
     o = otel()
-    manager = _manager(vllm_config, [0])
-    (ours,) = [s for s in manager.stat_loggers if isinstance(s, OtelStatLogger)]
+    manager, ours = plugin_manager(vllm_config)
     (theirs,) = [s for s in manager.stat_loggers if isinstance(s, PrometheusStatLogger)]
     series = ours._impl.series
     assert series.source is REGISTRY
@@ -221,11 +203,8 @@ def test_vllms_values_read_directly_are_those_of_its_collected_samples(otel, vll
     for series (histograms bucket for bucket). A gauge set to a function is read from its samples."""
     from prometheus_client import Gauge
 
-    from otel_llm.integrations.vllm import OtelStatLogger
-
     otel()
-    manager = _manager(vllm_config, [0, 1])
-    (ours,) = [s for s in manager.stat_loggers if isinstance(s, OtelStatLogger)]
+    manager, ours = plugin_manager(vllm_config, [0, 1])
     series = ours._impl.series
     now_m, now_w = time.monotonic(), time.time()
     run(manager, {0: build(default_specs("d0-"), now_m, now_w), 1: build(default_specs("d1-")[:4], now_m, now_w)})
@@ -266,10 +245,7 @@ def test_beside_vllms_logger_finished_requests_are_translated_together(plugin_en
     idle, at vLLM's periodic log() and at a collection, whichever comes first."""
     from vllm.v1.metrics.stats import SchedulerStats
 
-    from otel_llm.integrations.vllm import OtelStatLogger
-
-    manager = _manager(_config(model_dir), [0])
-    (ours,) = [s for s in manager.stat_loggers if isinstance(s, OtelStatLogger)]
+    manager, ours = plugin_manager(_config(model_dir))
     impl = ours._impl
     assert impl.steps_read
     tel = impl.telemetry[0]
@@ -316,13 +292,10 @@ def test_with_its_own_providers_the_per_step_core_series_are_vllms_read_at_colle
     (which those series then carry) the plugin records them itself, with the same values."""
     from prometheus_client import REGISTRY, generate_latest
 
-    from otel_llm.integrations.vllm import OtelStatLogger
-
     monkeypatch.setenv("OTEL_METRICS_EXEMPLAR_FILTER", exemplar_filter)
     monkeypatch.setenv("OTEL_LLM_PREEMPTION_BUCKETS", ",".join(map(str, VLLM_PREEMPTION_BUCKETS)))
     vllm_config = _config(model_dir)
-    manager = _manager(vllm_config, [0, 1])
-    (ours,) = [s for s in manager.stat_loggers if isinstance(s, OtelStatLogger)]
+    manager, ours = plugin_manager(vllm_config, [0, 1])
     impl = ours._impl
     assert impl.steps_read is steps_read
     now_m, now_w = time.monotonic(), time.time()
