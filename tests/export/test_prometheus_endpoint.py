@@ -17,6 +17,7 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
 from otel_llm import TelemetryConfig, setup_telemetry
 from otel_llm.export.prometheus import PrometheusEndpoint
+from tests.support.backends import wait_until
 from tests.support.sdk_versions import needs_prometheus_exporter
 
 BOUNDS = (0.5, 1, 2, 3, 4, 5, 10, 20)
@@ -280,6 +281,15 @@ def _context_switches(native_id: int) -> int:
     return sum(int(v) for v in fields.values())
 
 
+EPOLL_WAITS = {232, 281, 441}  # x86-64 epoll_wait, epoll_pwait, epoll_pwait2
+
+
+def _waits_in_epoll(native_id: int) -> bool:
+    """The thread is asleep in its selector (not still on its way back to it, e.g. waiting for the GIL)."""
+    with open(f"/proc/self/task/{native_id}/syscall") as f:
+        return int(f.read().split()[0]) in EPOLL_WAITS
+
+
 def test_the_serving_thread_sleeps_between_scrapes():
     """No wake-up while nobody scrapes (each would take the GIL from the engine's event loop);
     a scrape and the shutdown still wake it. Over one second, a thread polling every 0.2 s would
@@ -290,10 +300,12 @@ def test_the_serving_thread_sleeps_between_scrapes():
     endpoint.start()
     thread = endpoint._thread
     assert thread is not None and thread.native_id is not None
+    tid = thread.native_id
     assert "c_total 1.0" in _scrape(endpoint.url)[0]
-    before = _context_switches(thread.native_id)
+    wait_until(lambda: _waits_in_epoll(tid), timeout=10, what="the serving thread asleep after the scrape")
+    before = _context_switches(tid)
     threading.Event().wait(1.0)  # an observation window, not a synchronisation
-    assert _context_switches(thread.native_id) == before
+    assert _context_switches(tid) == before
     assert "c_total 1.0" in _scrape(endpoint.url)[0]
     endpoint.shutdown()
     thread.join(5)
