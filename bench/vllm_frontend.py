@@ -67,6 +67,9 @@ INSTRUCTIONS_KEY = "vllm_frontend_instructions"
 COUNT_TIMEOUT_S = 3600  # one counted round under callgrind: a few minutes
 VARIANTS = ("stock", "metrics", "spans", "deep_hook", "otlp", "each_step", "replace")
 TARGET = 1.03  # otlp / stock, CPU per output token
+# Loads per round: about 5 s of serving on these machines, the export interval of the ``otlp``
+# variants' setting, so that their one metrics export per round is one per 5 s.
+LOADS = 14
 TARGET_REPLACE = 1.00  # replace / stock
 MODEL_NAME = "tiny"
 SCRAPE_INTERVAL_S = 0.1
@@ -113,9 +116,9 @@ def _vllm_environment(cache: str) -> None:
 class ScriptedCore:
     """What ``AsyncLLM`` uses of vLLM's engine-core client, answering from a script.
 
-    Every step's ``EngineCoreOutputs`` (tokens, engine-core events, scheduler stats) is built
-    when the core is, before the round is measured, from the round's specs
-    (``otel_llm.testing.vllm.stream``); once all the round's requests are in, they are given
+    Every step's ``EngineCoreOutputs`` (tokens, engine-core events, scheduler stats) of each of
+    the round's loads is built when the core is, before the round is measured, from the specs
+    (``otel_llm.testing.vllm.stream``); once all of a load's requests are in, they are given
     their request ids by arrival order, and ``get_output_async`` yields one step at a time, each
     only once every request's output collector is empty again.
     """
@@ -125,26 +128,34 @@ class ScriptedCore:
     class resources:  # vLLM reads engine_core.resources.engine_dead
         engine_dead = False
 
-    def __init__(self, specs: list[Any]) -> None:
-        from vllm.v1.engine import EngineCoreOutputs
-
-        from otel_llm.testing.vllm.stream import build, engine_core_output, scheduler_stats
-
+    def __init__(self, specs: list[Any], loads: int = 1) -> None:
         self.processor: Any = None  # AsyncLLM's OutputProcessor, set once it exists
         self._expected = len(specs)
         self._requests: list[Any] = []
         self._arrived = asyncio.Event()
         self.finished = asyncio.Event()
+        self._rids = [s.rid for s in specs]
+        # Each load's own outputs, as an engine core sends new ones (none reused across loads).
+        self._loads = [self._script(specs) for _ in range(loads)]
+        self._stream = self._script_steps()
+
+    @staticmethod
+    def _script(specs: list[Any]) -> tuple[dict[str, list[Any]], list[Any]]:
+        """One load's outputs by request (to name at arrival) and its steps."""
+        from vllm.v1.engine import EngineCoreOutputs
+
+        from otel_llm.testing.vllm.stream import build, engine_core_output, scheduler_stats
+
         script = build(specs, t0=time.monotonic(), w0=time.time())
         by_rid = {s.rid: s for s in specs}
-        self._outputs: dict[str, list[Any]] = {s.rid: [] for s in specs}  # per request, to name at arrival
-        self._steps = []
+        outputs: dict[str, list[Any]] = {s.rid: [] for s in specs}
+        steps = []
         for step in range(script.last_step + 1):
             outs = script.outputs.get(step, [])
             engine_outputs = [engine_core_output(by_rid[o.rid], o) for o in outs]
             for out, engine_output in zip(outs, engine_outputs):
-                self._outputs[out.rid].append(engine_output)
-            self._steps.append(
+                outputs[out.rid].append(engine_output)
+            steps.append(
                 EngineCoreOutputs(
                     engine_index=0,
                     outputs=engine_outputs,
@@ -152,8 +163,7 @@ class ScriptedCore:
                     timestamp=script.output_ts(step),
                 )
             )
-        self._rids = [s.rid for s in specs]
-        self._stream = self._script_steps()
+        return outputs, steps
 
     async def add_request_async(self, request: Any) -> None:
         self._requests.append(request)
@@ -190,13 +200,17 @@ class ScriptedCore:
         return await self._stream.__anext__()
 
     async def _script_steps(self) -> Any:
-        await self._arrived.wait()
-        for rid, request in zip(self._rids, self._requests):
-            for output in self._outputs[rid]:
-                output.request_id = request.request_id
-        for outputs in self._steps:
-            await self._drained()
-            yield outputs
+        for outputs, steps in self._loads:  # the client sends a load once the last one has ended
+            await self._arrived.wait()
+            requests, self._requests = self._requests[: self._expected], self._requests[self._expected :]
+            if len(self._requests) < self._expected:
+                self._arrived.clear()
+            for rid, request in zip(self._rids, requests):
+                for output in outputs[rid]:
+                    output.request_id = request.request_id
+            for step in steps:
+                await self._drained()
+                yield step
         self.finished.set()
         await asyncio.Event().wait()  # no more steps this round: as an idle engine core
 
@@ -227,7 +241,7 @@ def round_specs(requests: int, tokens: int, running: int = 4) -> list[Any]:
 # The client (another process): streaming completions, optionally a scraper
 
 
-async def _client_round(port: int, requests: int, tokens: int, scrape: bool) -> dict[str, Any]:
+async def _client_round(port: int, requests: int, tokens: int, scrape: bool, loads: int) -> dict[str, Any]:
     import aiohttp
 
     url = f"http://127.0.0.1:{port}"
@@ -276,7 +290,8 @@ async def _client_round(port: int, requests: int, tokens: int, scrape: bool) -> 
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         scraping = asyncio.create_task(scraper(session)) if scrape else None
         start = time.perf_counter()
-        await asyncio.gather(*(stream(session, i) for i in range(requests)))
+        for _ in range(loads):  # one after the other: a load's requests all arrive at once
+            await asyncio.gather(*(stream(session, i) for i in range(requests)))
         seconds = time.perf_counter() - start
         done.set()
         if scraping is not None:
@@ -294,10 +309,10 @@ async def _client_round(port: int, requests: int, tokens: int, scrape: bool) -> 
 
 
 def client_main() -> int:
-    """Rounds on request: a line ``port requests tokens scrape`` in, a JSON line out."""
+    """Rounds on request: a line ``port requests tokens scrape loads`` in, a JSON line out."""
     for line in sys.stdin:
-        port, requests, tokens, scrape = (int(x) for x in line.split())
-        result = asyncio.run(_client_round(port, requests, tokens, bool(scrape)))
+        port, requests, tokens, scrape, loads = (int(x) for x in line.split())
+        result = asyncio.run(_client_round(port, requests, tokens, bool(scrape), loads))
         print(json.dumps(result), flush=True)
     return 0
 
@@ -307,9 +322,10 @@ def client_main() -> int:
 
 
 class Frontend:
-    """vLLM's API server in this process, rebuilt for every round (its stat loggers too)."""
+    """vLLM's API server in this process, rebuilt for every round (its stat loggers too); a
+    round serves ``loads`` loads one after the other."""
 
-    def __init__(self, model: Path, otlp_http: str) -> None:
+    def __init__(self, model: Path, otlp_http: str, loads: int = 1) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.entrypoints.launchers.cli_args import make_arg_parser
         from vllm.usage.usage_lib import UsageContext
@@ -335,6 +351,7 @@ class Frontend:
         engine_args = AsyncEngineArgs.from_cli_args(self.args)
         self.vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
         self.otlp_http = otlp_http
+        self.loads = loads
         self._plugin_vars = sorted({k for env in _PLUGIN_ENV.values() if env for k in env})
 
     def _configure(self, variant: str) -> list[Any]:
@@ -376,7 +393,7 @@ class Frontend:
 
         unregister_vllm_metrics()
         factories = self._configure(variant)
-        core = ScriptedCore(specs)
+        core = ScriptedCore(specs, self.loads)
         original_client = core_client.EngineCoreClient.make_async_mp_client
         original_factories = async_llm.load_stat_logger_plugin_factories
         # The scripted core in place of the engine-core process.
@@ -405,7 +422,7 @@ class Frontend:
             if server.started:
                 break
             await asyncio.sleep(0.01)
-        tokens = sum(s.tokens for s in specs)
+        tokens = sum(s.tokens for s in specs) * self.loads
         handle = next((s.handle for s in llm.logger_manager.stat_loggers if hasattr(s, "handle")), None)
         if handle is not None:
             # A running server's providers have collected and exported before: the first
@@ -415,7 +432,7 @@ class Frontend:
         try:
             with measure if measure is not None else contextlib.nullcontext():
                 cpu0, main0 = time.process_time(), time.thread_time()
-                client.stdin.write(f"{port} {len(specs)} {specs[0].tokens} {int(scrape)}\n".encode())
+                client.stdin.write(f"{port} {len(specs)} {specs[0].tokens} {int(scrape)} {self.loads}\n".encode())
                 await client.stdin.drain()
                 answer = json.loads(await asyncio.wait_for(client.stdout.readline(), 600))
                 await asyncio.wait_for(core.finished.wait(), 60)
@@ -575,7 +592,7 @@ def summarize(rounds: dict[str, list[dict[str, Any]]], field: str) -> dict[str, 
 
 
 @contextlib.asynccontextmanager
-async def _serving() -> AsyncIterator[tuple[Frontend, Any]]:
+async def _serving(loads: int = 1) -> AsyncIterator[tuple[Frontend, Any]]:
     """vLLM's frontend on a tiny model, an OTLP receiver, and the client process."""
     from otel_llm.testing.models import make_tiny_llama
 
@@ -591,26 +608,37 @@ async def _serving() -> AsyncIterator[tuple[Frontend, Any]]:
     try:
         with tempfile.TemporaryDirectory(prefix="bench-vllm-frontend-") as tmp, otlp_receiver() as receiver:
             _vllm_environment(str(Path(tmp) / "cache"))
-            yield Frontend(make_tiny_llama(Path(tmp) / "tiny-llama"), receiver["http"]), client
+            yield Frontend(make_tiny_llama(Path(tmp) / "tiny-llama"), receiver["http"], loads), client
     finally:
         if client.stdin is not None:
             client.stdin.close()
         await asyncio.wait_for(client.wait(), 30)
 
 
-async def _run(rounds: int, requests: int, tokens: int, running: int, profile: bool, log: Any) -> dict[str, Any]:
+async def _run(
+    rounds: int,
+    requests: int,
+    tokens: int,
+    running: int,
+    loads: int,
+    variants: Sequence[str],
+    profile: bool,
+    log: Any,
+) -> dict[str, Any]:
     specs = round_specs(requests, tokens, running)
-    async with _serving() as (frontend, client):
-        for name in VARIANTS:  # warm-up, not counted
+    variants = ("stock", *(v for v in VARIANTS if v in variants and v != "stock"))
+    async with _serving(loads) as (frontend, client):
+        for name in variants:  # warm-up, not counted
             await frontend.round(name, specs, client)
-        print(f"[vllm_frontend] {rounds} rounds of {len(VARIANTS)} variants ...", file=log, flush=True)
-        results: dict[str, list[dict[str, Any]]] = {n: [] for n in VARIANTS}
+        print(f"[vllm_frontend] {rounds} rounds of {len(variants)} variants ...", file=log, flush=True)
+        results: dict[str, list[dict[str, Any]]] = {n: [] for n in variants}
         for r in range(rounds):
-            order = VARIANTS[r % len(VARIANTS) :] + VARIANTS[: r % len(VARIANTS)]
+            order = variants[r % len(variants) :] + variants[: r % len(variants)]
             for name in order:
                 results[name].append(await frontend.round(name, specs, client))
+            print(f"[vllm_frontend]   round {r + 1}/{rounds}", file=log, flush=True)
         scraped: dict[str, Any] = {}
-        for name in ("stock", "otlp", "replace"):
+        for name in (v for v in ("stock", "otlp", "replace") if v in variants):
             pair = [await frontend.round(name, specs, client, scrape=s) for s in (False, True, False, True)]
             scraped[name] = {
                 "max_gap_ms": {
@@ -630,7 +658,7 @@ async def _run(rounds: int, requests: int, tokens: int, running: int, profile: b
             }
         profiles: dict[str, Any] = {}
         if profile:
-            for name in ("stock", "otlp", "replace"):
+            for name in (v for v in ("stock", "otlp", "replace") if v in variants):
                 profiler = Profile()
                 for _ in range(PROFILE_ROUNDS):
                     await frontend.round(name, specs, client, measure=profiler)
@@ -639,12 +667,14 @@ async def _run(rounds: int, requests: int, tokens: int, running: int, profile: b
         "method": "vLLM's real API server (OpenAI completions, streaming, uvicorn; AsyncLLM, OutputProcessor, "
         "StatLoggerManager) in this process, a scripted engine core in place of the engine-core process (lockstep: "
         "one SSE chunk per token), the client in another process; a round per variant, variants interleaved (order "
-        "rotated); CPU = time.process_time over the round (every thread) incl. the plugin's shutdown flush, "
+        "rotated); a round serves its loads one after the other and ends with the plugin's flush (its spans, one "
+        "metrics export); CPU = time.process_time over the round (every thread) incl. the flush, "
         "main = the event loop's thread (time.thread_time)",
         "load": {
             "requests": requests,
             "tokens_per_request": tokens,
-            "output_tokens": requests * tokens,
+            "loads_per_round": loads,
+            "output_tokens": requests * tokens * loads,
             "rounds": rounds,
         },
         "cpu_per_token": summarize(results, "cpu_us_per_token"),
@@ -662,17 +692,19 @@ def run(
     requests: int = 64,
     tokens: int = 96,
     running: int = 4,
+    loads: int = LOADS,
+    variants: Sequence[str] = VARIANTS,
     profile: bool = True,
     log: Any = sys.stderr,
 ) -> dict[str, Any]:
-    return asyncio.run(_run(rounds, requests, tokens, running, profile, log))
+    return asyncio.run(_run(rounds, requests, tokens, running, loads, variants, profile, log))
 
 
 # ---------------------------------------------------------------------------------------
 # Instructions per output token: each variant's round in a process of its own under callgrind
 
 
-async def _count_round(variant: str, requests: int, tokens: int, running: int) -> None:
+async def _count_round(variant: str, requests: int, tokens: int, running: int, loads: int) -> None:
     """A warm-up round, then one counted (run under callgrind by :func:`run_instructions`; the
     round itself checks that every token was streamed)."""
     window = instructions.Window()
@@ -683,12 +715,12 @@ async def _count_round(variant: str, requests: int, tokens: int, running: int) -
     os.environ["OTEL_BSP_SCHEDULE_DELAY"] = "600000"
     os.environ["VLLM_LOG_STATS_INTERVAL"] = "600"
     specs = round_specs(requests, tokens, running)
-    async with _serving() as (frontend, client):
+    async with _serving(loads) as (frontend, client):
         await frontend.round(variant, specs, client)
         await frontend.round(variant, specs, client, measure=window)
 
 
-def _counted(name: str, variant: str, requests: int, tokens: int, running: int) -> dict[str, Any]:
+def _counted(name: str, variant: str, requests: int, tokens: int, running: int, loads: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix=f"bench-callgrind-{name}-") as tmp:
         out = Path(tmp)
         argv = [
@@ -700,6 +732,8 @@ def _counted(name: str, variant: str, requests: int, tokens: int, running: int) 
             str(tokens),
             "--running",
             str(running),
+            "--loads",
+            str(loads),
         ]
         with open(out / "stderr.log", "wb") as err:
             proc = subprocess.run(
@@ -713,7 +747,7 @@ def _counted(name: str, variant: str, requests: int, tokens: int, running: int) 
             tail = (out / "stderr.log").read_text(errors="replace")[-3000:]
             raise RuntimeError(f"{name}: the counted round failed ({proc.returncode}):\n{tail}")
         by_thread = instructions.totals_by_thread(out)
-    output_tokens = requests * tokens
+    output_tokens = requests * tokens * loads
     total, loop = sum(by_thread.values()), by_thread.get(1, 0)
     return {
         "per_token": total / output_tokens,
@@ -724,7 +758,13 @@ def _counted(name: str, variant: str, requests: int, tokens: int, running: int) 
 
 
 def run_instructions(
-    requests: int, tokens: int, running: int, jobs: int, variants: Sequence[str] = VARIANTS, log: Any = sys.stderr
+    requests: int,
+    tokens: int,
+    running: int,
+    loads: int,
+    jobs: int,
+    variants: Sequence[str] = VARIANTS,
+    log: Any = sys.stderr,
 ) -> dict[str, Any]:
     reason = instructions.missing()
     if reason:
@@ -738,7 +778,7 @@ def run_instructions(
     )
     counted: dict[str, dict[str, Any]] = {}
     with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
-        futures = {pool.submit(_counted, n, v, requests, tokens, running): n for n, v in runs}
+        futures = {pool.submit(_counted, n, v, requests, tokens, running, loads): n for n, v in runs}
         for future in concurrent.futures.as_completed(futures):
             name = futures[future]
             counted[name] = future.result()
@@ -749,7 +789,12 @@ def run_instructions(
         "method": "instructions (valgrind callgrind) of the API-server process over one round per variant, each "
         "in a process of its own after a warm-up round; every thread, the event loop's (valgrind's thread 1) "
         "apart; span processor and stats-log timers held off (a round under callgrind lasts a minute)",
-        "load": {"requests": requests, "tokens_per_request": tokens, "output_tokens": requests * tokens},
+        "load": {
+            "requests": requests,
+            "tokens_per_request": tokens,
+            "loads_per_round": loads,
+            "output_tokens": requests * tokens * loads,
+        },
         "instructions": counted,
         "over_stock": {n: ratio(c["per_token"], stock["per_token"]) for n, c in counted.items()},
         "loop_over_stock": {n: ratio(c["loop_per_token"], stock["loop_per_token"]) for n, c in counted.items()},
@@ -804,6 +849,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--requests", type=int, default=64, help="concurrent streaming requests per round (default 64)")
     p.add_argument("--tokens", type=int, default=96, help="output tokens per request (default 96)")
     p.add_argument("--running", type=int, default=4, help="requests scheduled at once (default 4)")
+    p.add_argument(
+        "--loads",
+        type=int,
+        help=f"loads of --requests served one after the other per round (default {LOADS}: about 5 s, the export "
+        "interval; --instructions: 1)",
+    )
     p.add_argument("--no-profile", action="store_true", help="skip the profile by function")
     p.add_argument("--out", type=Path, default=HERE / "results.json", help="JSON to update (key vllm_frontend)")
     p.add_argument(
@@ -812,18 +863,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         help=f"instructions per output token under valgrind instead (a round per variant; key {INSTRUCTIONS_KEY})",
     )
     p.add_argument("--jobs", type=int, default=2, help="--instructions: rounds counted at once (default 2)")
-    p.add_argument(
-        "--variants", nargs="+", choices=VARIANTS, default=VARIANTS, help="--instructions: these only (stock always)"
-    )
+    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=VARIANTS, help="these only (stock always)")
     p.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--count-round", choices=VARIANTS, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.client:
         return client_main()
-    if args.requests < 1 or args.tokens < 3 or args.running < 1:
-        p.error("--requests, --running: at least 1; --tokens: at least 3")
+    if args.requests < 1 or args.tokens < 3 or args.running < 1 or (args.loads is not None and args.loads < 1):
+        p.error("--requests, --running, --loads: at least 1; --tokens: at least 3")
     if args.count_round:
-        asyncio.run(_count_round(args.count_round, args.requests, args.tokens, args.running))
+        asyncio.run(_count_round(args.count_round, args.requests, args.tokens, args.running, args.loads or 1))
         return 0
     if args.instructions:
         if args.jobs < 1:
@@ -831,7 +880,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return write_section(
             INSTRUCTIONS_KEY,
             args.out,
-            lambda: run_instructions(args.requests, args.tokens, args.running, args.jobs, args.variants),
+            lambda: run_instructions(
+                args.requests, args.tokens, args.running, args.loads or 1, args.jobs, args.variants
+            ),
             instruction_table_lines,
         )
     if args.rounds < 3:
@@ -839,7 +890,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return write_section(
         KEY,
         args.out,
-        lambda: run(args.rounds, args.requests, args.tokens, args.running, not args.no_profile),
+        lambda: run(
+            args.rounds,
+            args.requests,
+            args.tokens,
+            args.running,
+            args.loads or LOADS,
+            args.variants,
+            not args.no_profile,
+        ),
         table_lines,
     )
 
