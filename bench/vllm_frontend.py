@@ -835,8 +835,9 @@ def table_lines(r: dict[str, Any]) -> list[str]:
         )
     for name, s in r.get("scrape_while_busy", {}).items():
         lines.append(
-            f"   scrape every {SCRAPE_INTERVAL_S * 1000:.0f} ms, {name}: max gap between chunks quiet "
-            f"{max(s['max_gap_ms']['quiet']):.1f} ms, scraped {max(s['max_gap_ms']['scraped']):.1f} ms"
+            f"   scrape every {SCRAPE_INTERVAL_S * 1000:.0f} ms, {name}: gap between chunks, max (p99) quiet "
+            f"{max(s['max_gap_ms']['quiet']):.1f} ({max(s['p99_gap_ms']['quiet']):.2f}) ms, scraped "
+            f"{max(s['max_gap_ms']['scraped']):.1f} ({max(s['p99_gap_ms']['scraped']):.2f}) ms"
         )
     return lines
 
