@@ -639,8 +639,9 @@ async def _run(
             for name in order:
                 results[name].append(await frontend.round(name, specs, client))
             print(f"[vllm_frontend]   round {r + 1}/{rounds}", file=log, flush=True)
+        compared = [v for v in ("stock", "otlp", "replace") if v in variants]  # scraped, then profiled
         scraped: dict[str, Any] = {}
-        for name in (v for v in ("stock", "otlp", "replace") if v in variants):
+        for name in compared:
             pair = [await frontend.round(name, specs, client, scrape=s) for s in (False, True, False, True)]
             scraped[name] = {
                 "max_gap_ms": {
@@ -660,7 +661,7 @@ async def _run(
             }
         profiles: dict[str, Any] = {}
         if profile:
-            for name in (v for v in ("stock", "otlp", "replace") if v in variants):
+            for name in compared:
                 profiler = Profile()
                 for _ in range(PROFILE_ROUNDS):
                     await frontend.round(name, specs, client, measure=profiler)
