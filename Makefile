@@ -31,8 +31,9 @@ demo: $(READY)
 	$(VENV)/bin/otel-llm demo --serve-seconds $(SERVE_SECONDS) $(ARGS)
 
 # tests/vllm, tests/vllm_engine and tests/transformers run in venvs of their own: `make test-vllm`
-# (vllm.mk), `make test-transformers` (transformers.mk).
-test: $(READY)
+# (vllm.mk), `make test-transformers` (transformers.mk). Phoenix (phoenix.mk), the trace store of
+# the drill-down tests, is set up first like the rest.
+test: $(READY) $(PHOENIX_READY)
 	$(PY) -m pytest -q --ignore=tests/vllm --ignore=tests/vllm_engine --ignore=tests/transformers $(ARGS)
 
 # The same suite on the oldest OpenTelemetry SDK that pyproject allows (1.28.2, exporter-prometheus
@@ -51,7 +52,7 @@ $(SDK_OLDEST_READY): pyproject.toml $(SDK_OLDEST_PINS)
 	  || echo "warning: could not install prometheus (needs root); its tests will skip"
 	touch $@
 
-test-sdk-oldest: $(SDK_OLDEST_READY)
+test-sdk-oldest: $(SDK_OLDEST_READY) $(PHOENIX_READY)
 	$(SDK_OLDEST_PY) -m pytest -q --ignore=tests/vllm --ignore=tests/vllm_engine --ignore=tests/transformers $(ARGS)
 
 # ruff (lint + format check) and mypy, pinned in the lint extra.

@@ -27,3 +27,18 @@ def test_make_demo_passes_serve_seconds_once() -> None:
     custom = demo_command("SERVE_SECONDS=0", "ARGS=--requests 100")
     assert custom.count("--serve-seconds") == 1 and custom[custom.index("--serve-seconds") + 1] == "0"
     assert custom[-2:] == ["--requests", "100"]
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_test_sets_up_everything_it_runs(tmp_path: Path) -> None:
+    """On a fresh machine `make test` installs Phoenix too (the drill-down tests need it), so CI
+    runs nothing before it but the lint."""
+    fresh = {f"{name}={tmp_path / name}" for name in ("VENV", "PHOENIX_VENV", "SDK_OLDEST_VENV")}
+    for target in ("test", "test-sdk-oldest"):
+        plan = subprocess.run(
+            ["make", "-n", target, *sorted(fresh)], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout
+        assert "torch==2.13.0" in plan and "arize-phoenix==" in plan and "prometheus" in plan, target
+    ci = (ROOT / ".ci" / "run").read_text()
+    targets = [line.split()[1] for line in ci.splitlines() if line.startswith("make ")]
+    assert targets == ["lint", "test", "test-sdk-oldest", "test-vllm", "test-transformers"]

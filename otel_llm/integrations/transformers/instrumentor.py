@@ -26,7 +26,14 @@ import weakref
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Callable, Collection, Optional
 
-from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
+try:
+    from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
+except ModuleNotFoundError as exc:  # the one thing the [transformers] extra adds
+    raise ModuleNotFoundError(
+        f"otel_llm.integrations.transformers needs opentelemetry-instrumentation ({exc.name} is missing): "
+        "pip install 'otel-llm[transformers]'",
+        name=exc.name,
+    ) from None
 
 from otel_llm.integrations.transformers import internals
 from otel_llm.integrations.transformers.observer import BatchObserver
