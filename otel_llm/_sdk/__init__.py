@@ -67,6 +67,7 @@ CONTRACTS: dict[str, tuple[str, str, str]] = {
         "full, after shutdown) are not counted on otel_llm.dropped_events",
     ),
     "metric_exporter": ("metric_exporter", "check", "OTLP metric exports are neither counted nor backed off"),
+    "otlp_exporters": ("otlp_exporters", "check", "OTLP metrics are encoded by the SDK's encoder"),
     "prometheus": (
         "prometheus_exporter",
         "check",

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextvars
 import struct
+from types import ModuleType
 from typing import Any, Callable, Optional, Sequence
 
 from opentelemetry.sdk.metrics.export import (
@@ -27,17 +28,19 @@ from opentelemetry.sdk.metrics.export import (
     Sum,
 )
 
-from otel_llm._sdk import metric_exporter
-from otel_llm.export.span_encoding import (
-    _PACK_DOUBLE,
-    _PACK_FIXED64,
+from otel_llm import _sdk
+from otel_llm._sdk import metric_exporter, otlp_exporters
+from otel_llm.export.otlp_encoding import (
+    PACK_DOUBLE,
+    PACK_FIXED64,
     OtlpEncoder,
-    _field,
-    _string,
-    _uint,
-    _varint,
+    Serialized,
+    field,
     install_encoder,
     keep,
+    string,
+    uint,
+    varint,
 )
 
 _PACK_SFIXED64 = struct.Struct("<q").pack
@@ -45,7 +48,7 @@ _PACK_SFIXED64 = struct.Struct("<q").pack
 
 def _sint(number: int, value: int) -> bytes:
     """A proto3 sint32 field (zigzag): absent when zero."""
-    return _varint(number << 3) + _varint((value << 1) ^ (value >> 31)) if value else b""
+    return varint(number << 3) + varint((value << 1) ^ (value >> 31)) if value else b""
 
 
 class MetricEncoder(OtlpEncoder):
@@ -64,75 +67,75 @@ class MetricEncoder(OtlpEncoder):
         points = 0
         for resource_metrics in data.resource_metrics:
             resource = resource_metrics.resource
-            body = [self._resource(resource)]
+            body = [self.resource(resource)]
             for scope_metrics in resource_metrics.scope_metrics:
                 scope = scope_metrics.scope
-                parts = [self._scope(scope)]
+                parts = [self.scope(scope)]
                 for metric in scope_metrics.metrics:
-                    parts.append(_field(2, self._metric(metric)))
+                    parts.append(field(2, self._metric(metric)))
                     points += len(metric.data.data_points)
-                parts.append(_string(3, scope.schema_url))
-                body.append(_field(2, b"".join(parts)))
-            body.append(_string(3, resource.schema_url))
-            out.append(_field(1, b"".join(body)))
+                parts.append(string(3, scope.schema_url))
+                body.append(field(2, b"".join(parts)))
+            body.append(string(3, resource.schema_url))
+            out.append(field(1, b"".join(body)))
         return b"".join(out), points
 
     def _metric(self, metric: Any) -> bytes:
         ident = (metric.name, metric.description, metric.unit)
         head = self._heads.get(ident)
         if head is None:
-            head = keep(self._heads, ident, _string(1, ident[0]) + _string(2, ident[1]) + _string(3, ident[2]))
+            head = keep(self._heads, ident, string(1, ident[0]) + string(2, ident[1]) + string(3, ident[2]))
         data = metric.data
         points = data.data_points
         if isinstance(data, Gauge):
-            kind, body = 5, [_field(1, self._number(p, False)) for p in points]
+            kind, body = 5, [field(1, self._number(p, False)) for p in points]
         elif isinstance(data, Histogram):
-            kind, body = 9, [_field(1, self._histogram(p)) for p in points]
-            body.append(_uint(2, int(data.aggregation_temporality)))
+            kind, body = 9, [field(1, self._histogram(p)) for p in points]
+            body.append(uint(2, int(data.aggregation_temporality)))
         elif isinstance(data, Sum):
-            kind, body = 7, [_field(1, self._number(p, True)) for p in points]
-            body.append(_uint(2, int(data.aggregation_temporality)))
+            kind, body = 7, [field(1, self._number(p, True)) for p in points]
+            body.append(uint(2, int(data.aggregation_temporality)))
             body.append(b"\x18\x01" if data.is_monotonic else b"")
         elif isinstance(data, ExponentialHistogram):
-            kind, body = 10, [_field(1, self._exponential(p)) for p in points]
-            body.append(_uint(2, int(data.aggregation_temporality)))
+            kind, body = 10, [field(1, self._exponential(p)) for p in points]
+            body.append(uint(2, int(data.aggregation_temporality)))
         else:
             raise TypeError(f"metric data of type {type(data).__name__}")
         if not points:  # the SDK's encoder sets the data with its first point
             return head
-        return head + _field(kind, b"".join(body))
+        return head + field(kind, b"".join(body))
 
     def _number(self, p: Any, started: bool) -> bytes:
         start, time, value = p.start_time_unix_nano, p.time_unix_nano, p.value
         parts = [
-            b"\x11" + _PACK_FIXED64(start) if started and start else b"",
-            b"\x19" + _PACK_FIXED64(time) if time else b"",
+            b"\x11" + PACK_FIXED64(start) if started and start else b"",
+            b"\x19" + PACK_FIXED64(time) if time else b"",
         ]
         is_int = isinstance(value, int)
         if not is_int:
-            parts.append(b"\x21" + _PACK_DOUBLE(value))
-        parts.extend(_field(5, self._exemplar(e)) for e in p.exemplars)
+            parts.append(b"\x21" + PACK_DOUBLE(value))
+        parts.extend(field(5, self._exemplar(e)) for e in p.exemplars)
         if is_int:
             parts.append(b"\x31" + _PACK_SFIXED64(value))
-        parts.append(self._attributes(7, p.attributes))
+        parts.append(self.attributes(7, p.attributes))
         return b"".join(parts)
 
     def _histogram(self, p: Any) -> bytes:
         start, time, count, counts = p.start_time_unix_nano, p.time_unix_nano, p.count, p.bucket_counts
         parts = [
-            b"\x11" + _PACK_FIXED64(start) if start else b"",
-            b"\x19" + _PACK_FIXED64(time) if time else b"",
-            b"\x21" + _PACK_FIXED64(count) if count else b"",
-            b"\x29" + _PACK_DOUBLE(p.sum) if p.sum is not None else b"",
-            _field(6, struct.pack(f"<{len(counts)}Q", *counts)) if counts else b"",
+            b"\x11" + PACK_FIXED64(start) if start else b"",
+            b"\x19" + PACK_FIXED64(time) if time else b"",
+            b"\x21" + PACK_FIXED64(count) if count else b"",
+            b"\x29" + PACK_DOUBLE(p.sum) if p.sum is not None else b"",
+            field(6, struct.pack(f"<{len(counts)}Q", *counts)) if counts else b"",
             self._explicit_bounds(p.explicit_bounds),
         ]
-        parts.extend(_field(8, self._exemplar(e)) for e in p.exemplars)
-        parts.append(self._attributes(9, p.attributes))
+        parts.extend(field(8, self._exemplar(e)) for e in p.exemplars)
+        parts.append(self.attributes(9, p.attributes))
         if p.min is not None:
-            parts.append(b"\x59" + _PACK_DOUBLE(p.min))
+            parts.append(b"\x59" + PACK_DOUBLE(p.min))
         if p.max is not None:
-            parts.append(b"\x61" + _PACK_DOUBLE(p.max))
+            parts.append(b"\x61" + PACK_DOUBLE(p.max))
         return b"".join(parts)
 
     def _explicit_bounds(self, bounds: Sequence[float]) -> bytes:
@@ -141,44 +144,44 @@ class MetricEncoder(OtlpEncoder):
         key = tuple(bounds)
         encoded = self._bounds.get(key)
         if encoded is None:
-            encoded = keep(self._bounds, key, _field(7, struct.pack(f"<{len(key)}d", *key)))
+            encoded = keep(self._bounds, key, field(7, struct.pack(f"<{len(key)}d", *key)))
         return encoded
 
     def _exponential(self, p: Any) -> bytes:
         start, time, count, zero_count = p.start_time_unix_nano, p.time_unix_nano, p.count, p.zero_count
         parts = [
-            self._attributes(1, p.attributes),
-            b"\x11" + _PACK_FIXED64(start) if start else b"",
-            b"\x19" + _PACK_FIXED64(time) if time else b"",
-            b"\x21" + _PACK_FIXED64(count) if count else b"",
-            b"\x29" + _PACK_DOUBLE(p.sum) if p.sum is not None else b"",
+            self.attributes(1, p.attributes),
+            b"\x11" + PACK_FIXED64(start) if start else b"",
+            b"\x19" + PACK_FIXED64(time) if time else b"",
+            b"\x21" + PACK_FIXED64(count) if count else b"",
+            b"\x29" + PACK_DOUBLE(p.sum) if p.sum is not None else b"",
             _sint(6, p.scale),
-            b"\x39" + _PACK_FIXED64(zero_count) if zero_count else b"",
+            b"\x39" + PACK_FIXED64(zero_count) if zero_count else b"",
         ]
         for number, buckets in ((8, p.positive), (9, p.negative)):
             if buckets.bucket_counts:
-                counts = b"".join(_varint(c) for c in buckets.bucket_counts)
-                parts.append(_field(number, _sint(1, buckets.offset) + _field(2, counts)))
-        parts.append(_uint(10, p.flags))
-        parts.extend(_field(11, self._exemplar(e)) for e in p.exemplars)
+                counts = b"".join(varint(c) for c in buckets.bucket_counts)
+                parts.append(field(number, _sint(1, buckets.offset) + field(2, counts)))
+        parts.append(uint(10, p.flags))
+        parts.extend(field(11, self._exemplar(e)) for e in p.exemplars)
         if p.min is not None:
-            parts.append(b"\x61" + _PACK_DOUBLE(p.min))
+            parts.append(b"\x61" + PACK_DOUBLE(p.min))
         if p.max is not None:
-            parts.append(b"\x69" + _PACK_DOUBLE(p.max))
+            parts.append(b"\x69" + PACK_DOUBLE(p.max))
         return b"".join(parts)
 
     def _exemplar(self, e: Any) -> bytes:
         time, value = e.time_unix_nano, e.value
-        parts = [b"\x11" + _PACK_FIXED64(time) if time else b""]
+        parts = [b"\x11" + PACK_FIXED64(time) if time else b""]
         if isinstance(value, float):
-            parts.append(b"\x19" + _PACK_DOUBLE(value))
+            parts.append(b"\x19" + PACK_DOUBLE(value))
         elif not isinstance(value, int):
             raise TypeError("Exemplar value must be an int or float")
         if e.span_id is not None and e.trace_id is not None:
             parts.append(b"\x22\x08" + e.span_id.to_bytes(8, "big") + b"\x2a\x10" + e.trace_id.to_bytes(16, "big"))
         if not isinstance(value, float):
             parts.append(b"\x31" + _PACK_SFIXED64(value))
-        parts.append(self._attributes(7, e.filtered_attributes))
+        parts.append(self.attributes(7, e.filtered_attributes))
         return b"".join(parts)
 
 
@@ -186,23 +189,17 @@ class MetricEncoder(OtlpEncoder):
 _active: "contextvars.ContextVar[Optional[MetricEncoder]]" = contextvars.ContextVar(
     "otel_llm_metric_encoder", default=None
 )
-_HTTP = "opentelemetry.exporter.otlp.proto.http.metric_exporter"
-_MODULES = (_HTTP, "opentelemetry.exporter.otlp.proto.grpc.metric_exporter")
+_MODULES = (otlp_exporters.HTTP_METRICS, otlp_exporters.GRPC_METRICS)
 
 
-class _Encoded:
-    """What the HTTP exporter asks of ``encode_metrics``' message: its bytes, and (through the
-    module's ``_count_data_points``, wrapped alike) its number of data points."""
+class _Encoded(Serialized):
+    """The bytes, and the number of data points, that the HTTP exporter reads of the message."""
 
-    __slots__ = ("data", "points")
+    __slots__ = ("points",)
 
     def __init__(self, encoded: tuple[bytes, int]) -> None:
-        self.data, self.points = encoded
-
-    def SerializeToString(self) -> bytes:
-        return self.data
-
-    SerializePartialToString = SerializeToString
+        super().__init__(encoded[0])
+        self.points = encoded[1]
 
 
 def _message(encoded: tuple[bytes, int]) -> Any:
@@ -211,24 +208,20 @@ def _message(encoded: tuple[bytes, int]) -> Any:
     return ExportMetricsServiceRequest.FromString(encoded[0])
 
 
-def _wrap_for(module: Any) -> Callable[[tuple[bytes, int]], Any]:
+def _wrap_for(module: ModuleType) -> Callable[[tuple[bytes, int]], Any]:
     """What the module's ``encode_metrics`` returns: the bytes where the module reads only those
-    and the point count (its ``_count_data_points``, made to read ours), else a message parsed
-    from them."""
-    count = getattr(module, "_count_data_points", None)
-    if module.__name__ != _HTTP or not callable(count):
-        return _message
-
-    def count_data_points(request: Any, sdk_count: Callable[[Any], int] = count) -> int:
-        return request.points if isinstance(request, _Encoded) else sdk_count(request)
-
-    module._count_data_points = count_data_points
-    return _Encoded
+    and the point count (which it is made to take from them), else a message parsed from them."""
+    if module.__name__ == otlp_exporters.HTTP_METRICS and otlp_exporters.count_data_points(
+        module, _Encoded, lambda encoded: encoded.points
+    ):
+        return _Encoded
+    return _message
 
 
 class OwnMetricEncoding(MetricExporter):
     """``exporter`` (an SDK OTLP metric exporter), its batches encoded by :class:`MetricEncoder`
-    (not where it splits batches by size: that takes the SDK's messages)."""
+    (not where it splits batches by size: that takes the SDK's messages; nor where the exporters
+    may read more of a request than :mod:`otel_llm._sdk.otlp_exporters` knows)."""
 
     def __init__(self, exporter: Any) -> None:
         temporality, aggregation = metric_exporter.preferences(exporter)
@@ -238,7 +231,8 @@ class OwnMetricEncoding(MetricExporter):
         module = type(exporter).__module__
         self.enabled = (
             module in _MODULES
-            and getattr(exporter, "_max_export_batch_size", None) is None
+            and _sdk.holds("otlp_exporters")
+            and not otlp_exporters.splits_batches(exporter)
             and install_encoder(module, "encode_metrics", _active, _wrap_for, "metric")
         )
 

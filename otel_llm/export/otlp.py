@@ -11,6 +11,7 @@ import os
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Mapping, Optional
 
+from otel_llm import _sdk
 from otel_llm.config.settings import TelemetryConfig
 from otel_llm.export.metric_encoding import OwnMetricEncoding
 from otel_llm.export.span_encoding import OwnEncoding
@@ -189,7 +190,8 @@ def exporter(config: TelemetryConfig, env: Mapping[str, str], signal: str) -> An
     """The OTLP exporter of ``signal`` ("metrics", "traces" or "logs"); the rest of its settings
     (headers, TLS, compression, timeout, temporality) it reads from the environment itself.
     Spans and metrics are encoded by otel_llm (:mod:`otel_llm.export.span_encoding`,
-    :mod:`otel_llm.export.metric_encoding`)."""
+    :mod:`otel_llm.export.metric_encoding`; metrics by the SDK where the exporter's preferences
+    cannot be read to pass on)."""
     proto = protocol(config, env, signal)
     url = endpoint(config, env, signal, proto)
     module, name = _EXPORTERS[(signal, proto)]
@@ -197,4 +199,6 @@ def exporter(config: TelemetryConfig, env: Mapping[str, str], signal: str) -> An
     made = cls(endpoint=url) if proto == "grpc" else cls(endpoint=url, session=_http_session())
     if signal == "traces":
         return OwnEncoding(made)
-    return OwnMetricEncoding(made) if signal == "metrics" else made
+    if signal == "metrics" and _sdk.holds("metric_exporter"):  # the wrapper passes on its preferences
+        return OwnMetricEncoding(made)
+    return made

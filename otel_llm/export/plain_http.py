@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import http.client
+import io
 import os
 import socket
 import threading
@@ -112,7 +113,6 @@ def _response(url: str, answer: http.client.HTTPResponse, content: bytes, elapse
     response.headers = CaseInsensitiveDict(answer.getheaders())
     response.encoding = get_encoding_from_headers(response.headers)
     response.url = url
-    response._content = content
-    response._content_consumed = True
+    response.raw = io.BytesIO(content)  # requests' public way in: .content reads it from there
     response.elapsed = datetime.timedelta(seconds=elapsed_s)
     return response

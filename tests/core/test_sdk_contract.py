@@ -27,6 +27,7 @@ HOLDS_FROM = {
     "tracer": "1.28",
     "batch_processor": "1.41",
     "metric_exporter": "1.28",
+    "otlp_exporters": "1.28",
     "prometheus": "1.43",  # opentelemetry-exporter-prometheus 0.64b0
     "prometheus_collector": "1.28",
     "log_events": "1.38",
@@ -57,6 +58,44 @@ def test_unmet_contracts_are_named_in_one_warning(monkeypatch, caplog):
     warnings = [r for r in caplog.records if "OpenTelemetry SDK" in r.getMessage()]
     assert len(warnings) == 1 and "- aggregation:" in warnings[0].getMessage()
     monkeypatch.setattr(_sdk, "_unmet", None)
+
+
+def _count_takes_another_parameter(monkeypatch):
+    from opentelemetry.exporter.otlp.proto.http import metric_exporter
+
+    monkeypatch.setattr(metric_exporter, "_count_data_points", lambda request: 0, raising=False)
+
+
+def _batch_size_kept_elsewhere(monkeypatch):
+    from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+
+    def __init__(self, max_export_batch_size=None):
+        self._batch_size = max_export_batch_size
+
+    monkeypatch.setattr(OTLPMetricExporter, "__init__", __init__)
+
+
+@pytest.mark.parametrize(
+    ("move", "named"),
+    [
+        (
+            _count_takes_another_parameter,
+            "http.metric_exporter._count_data_points takes (export_request, ...); found (request)",
+        ),
+        (
+            _batch_size_kept_elsewhere,
+            "grpc.metric_exporter.OTLPMetricExporter keeps max_export_batch_size in _max_export_batch_size",
+        ),
+    ],
+    ids=["count_data_points", "max_export_batch_size"],
+)
+def test_the_otlp_exporters_contract_names_what_moved(monkeypatch, move, named):
+    from otel_llm._sdk import otlp_exporters
+
+    move(monkeypatch)
+    with pytest.raises(_sdk.ContractError) as info:
+        otlp_exporters.check()
+    assert named in str(info.value)
 
 
 def test_views_are_found_on_a_provider():

@@ -16,6 +16,7 @@ from opentelemetry.sdk.metrics.view import ExponentialBucketHistogramAggregation
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 
+from otel_llm import _sdk
 from otel_llm.config.settings import TelemetryConfig
 from otel_llm.export import metric_encoding, otlp
 from otel_llm.testing import in_memory_telemetry
@@ -125,6 +126,20 @@ def test_a_scopes_attributes_and_schema_url_are_encoded():
     assert points == 1 and scope_metrics.schema_url == schema
     assert (scope_metrics.scope.name, scope_metrics.scope.version) == ("otel_llm", "1.2.3")
     assert [(a.key, a.value.string_value) for a in scope_metrics.scope.attributes] == [("scope.kind", "test")]
+
+
+def test_where_the_exporters_contract_does_not_hold_or_they_split_batches_the_sdks_encoder_is_used(
+    clean_env, monkeypatch
+):
+    from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+
+    config = TelemetryConfig(otlp_endpoint="http://127.0.0.1:4317", otlp_protocol="grpc")
+    splitting = metric_encoding.OwnMetricEncoding(OTLPMetricExporter(max_export_batch_size=100))
+    monkeypatch.setattr(_sdk, "_unmet", {"otlp_exporters": "moved"})
+    unmet = otlp.exporter(config, {}, "metrics")
+    for exporter in (splitting, unmet):
+        assert isinstance(exporter, metric_encoding.OwnMetricEncoding) and not exporter.enabled
+        exporter.shutdown()
 
 
 @pytest.mark.backend
