@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import random
 import sys
 import tempfile
@@ -53,9 +52,7 @@ def demo_transformers(args: argparse.Namespace) -> int:
 
     otlp = ("otlp",) if _otlp_configured() else ()
     config = TelemetryConfig.from_env(
-        model_name=os.environ.get("OTEL_LLM_MODEL_NAME") or MODEL_NAME,
-        naming=os.environ.get("OTEL_LLM_NAMING") or "semconv",
-        provider_name=os.environ.get("OTEL_LLM_PROVIDER_NAME") or "transformers",
+        defaults={"model_name": MODEL_NAME, "naming": "semconv", "provider_name": "transformers"},
         metrics_exporters=("prometheus", *otlp),
         traces_exporters=otlp or ("none",),
         prometheus_host=args.prometheus_host,

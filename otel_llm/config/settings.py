@@ -218,10 +218,20 @@ class TelemetryConfig:
         return self.histogram_aggregation == "base2_exponential_bucket_histogram"
 
     @classmethod
-    def from_env(cls, environ: Optional[Mapping[str, str]] = None, **overrides: Any) -> "TelemetryConfig":
-        """Build from ``OTEL_LLM_*`` and the standard ``OTEL_*`` variables; ``overrides`` win."""
+    def from_env(
+        cls,
+        environ: Optional[Mapping[str, str]] = None,
+        *,
+        defaults: Optional[Mapping[str, Any]] = None,
+        **overrides: Any,
+    ) -> "TelemetryConfig":
+        """Build from ``OTEL_LLM_*`` and the standard ``OTEL_*`` variables.
+
+        The one precedence rule of every entry point: ``overrides`` (what the caller's code says)
+        win over the environment, which wins over ``defaults`` (what an entry point knows of its
+        engine: the served model's name, its provider name), which win over the field defaults."""
         env = os.environ if environ is None else environ
-        values: dict[str, Any] = {}
+        values: dict[str, Any] = dict(defaults or {})
         for var, (name, parse) in _ENV.items():
             raw = env.get(var)
             if raw is None or raw.strip() == "":
@@ -296,6 +306,23 @@ def _bool(text: str) -> bool:
     raise ValueError("not a boolean (true/false)")
 
 
+def _choice(text: str, allowed: tuple[str, ...]) -> str:
+    if text not in allowed:
+        raise ValueError(f"expected one of {', '.join(allowed)}")
+    return text
+
+
+def _deep_hook(text: str) -> str:
+    """``on``, ``off`` or ``force`` (on, without the vLLM version check); booleans as elsewhere."""
+    lowered = text.lower()
+    if lowered == "force":
+        return lowered
+    try:
+        return "on" if _bool(lowered) else "off"
+    except ValueError:
+        raise ValueError("expected true/false (1/0, yes/no, on/off) or force") from None
+
+
 def _float_or_int(text: str) -> int:
     try:
         value = float(text)
@@ -334,4 +361,25 @@ _ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
     "OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION": ("histogram_aggregation", str.lower),
     "OTEL_SDK_DISABLED": ("sdk_disabled", _bool),
 }
-ENV_VARIABLES = tuple(_ENV)
+# Variables an entry point reads for itself, not settings of a TelemetryConfig: variable -> parser.
+_ENTRY_POINT_ENV: dict[str, Callable[[str], Any]] = {
+    "OTEL_LLM_VLLM_METRICS": lambda t: _choice(t.lower(), ("add", "replace")),
+    "OTEL_LLM_VLLM_DEEP_HOOK": _deep_hook,
+    "OTEL_LLM_PHOENIX": str,
+}
+CONFIG_VARIABLES = tuple(_ENV)  # TelemetryConfig.from_env's
+ENTRY_POINT_VARIABLES = tuple(_ENTRY_POINT_ENV)
+ENV_VARIABLES = (*CONFIG_VARIABLES, *ENTRY_POINT_VARIABLES)
+
+
+def from_environment(var: str, environ: Optional[Mapping[str, str]] = None) -> Any:
+    """The parsed value of ``var`` (any variable of :data:`ENV_VARIABLES`), None when it is unset
+    or blank; a bad value raises ValueError naming the variable, the value and the rule."""
+    parse = _ENV[var][1] if var in _ENV else _ENTRY_POINT_ENV[var]
+    raw = (os.environ if environ is None else environ).get(var)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        return parse(raw.strip())
+    except ValueError as exc:
+        raise ValueError(f"{var}={raw!r}: {exc}") from None

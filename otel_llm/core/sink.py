@@ -51,8 +51,8 @@ class DropLog:
 
 def _describe(event: Any) -> str:
     # Never the payload texts: ids and numbers only.
-    if callable(event):
-        return "an engine step an adapter deferred (EngineTelemetry.defer)"
+    if not hasattr(event, "type") and not hasattr(event, "request_id"):
+        return f"a {type(event).__name__}"  # e.g. an adapter's kept engine step, or None
     kind = getattr(event, "type", None)
     return f"type={getattr(kind, 'name', kind)!r} request_id={str(getattr(event, 'request_id', '?'))[:64]!r}"
 

@@ -5,8 +5,8 @@ internal failures too); state is bounded (the tracker's caps, at most ``defer_st
 batches); batches are applied in order under one lock, so several publishing threads keep
 exact totals.
 
-Event batches, and the engine steps an adapter hands over (:meth:`EngineTelemetry.defer`), are
-kept and applied together every ``defer_steps`` engine steps (16 through
+Event batches, and the engine steps an adapter hands over (:meth:`EngineTelemetry.keep_step`), are
+kept in one queue and applied together, in order, every ``defer_steps`` engine steps (16 through
 setup_telemetry; a hand-built EngineTelemetry applies each at once unless set): between two
 steps the model's work evicts the CPU caches, and the telemetry's code and data then cost
 several times more than when warm (engine_stub: ~3 us per TOKENS event cold, 0.5 us warm). A
@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import deque
-from typing import Any, Callable, Iterable, Optional, Sequence, Union
+from typing import Any, Iterable, Optional, Protocol, Sequence, Union
 
 from opentelemetry import metrics as metrics_api
 
@@ -40,6 +40,18 @@ from otel_llm.tracing.spans import request_spans
 
 _log = logging.getLogger(__name__)
 _warned_providers: set[int] = set()
+
+# An engine step as an adapter keeps it (its engine's own stats, e.g. vLLM's), opaque here.
+KeptStep = Any
+
+
+class StepTranslator(Protocol):
+    """Turns the engine steps an adapter keeps (:meth:`EngineTelemetry.keep_step`) into records,
+    through the telemetry's own methods (``record_iteration``, ``record_finished``, ``on_step``):
+    called with every step kept in a row, oldest first, so that they are translated together."""
+
+    def __call__(self, telemetry: "EngineTelemetry", steps: Sequence[KeptStep]) -> None: ...
+
 
 METRIC_PATHS = ("auto", "in_process", "sdk")
 SPAN_PATHS = ("auto", "tracer")
@@ -109,14 +121,15 @@ class EngineTelemetry:
             (None, None) if exemplar_filter == "always_on" else None,
         )
         self.tracker = Tracker(self._sink, config.max_inflight_requests)
-        # Event batches, and adapters' deferred engine steps (defer), in the order they came.
-        self._pending: deque[Union[tuple[RequestEvent, ...], Callable[[], None]]] = deque()
-        # Deferred only where every collection applies the pending batches first (the instruments'
-        # callbacks); the SDK path records as it goes.
+        # Event batches (tuples), and an adapter's kept engine steps, in the order they came.
+        self._pending: deque[Union[tuple[RequestEvent, ...], KeptStep]] = deque()
+        self._translate: Optional[StepTranslator] = None
+        # Deferred only where every collection applies the pending work first (the instruments'
+        # drain); the SDK path records as it goes.
         instruments = self.metrics.instruments if isinstance(self.metrics, InProcessRecorder) else None
         self._defer_steps = (config.defer_steps or 1) if instruments is not None else 1
         if instruments is not None and self._defer_steps > 1:
-            instruments.deferring.add(self)
+            instruments.pending.add(self)
         self._closed = False
 
     # -- the hook bus interface ----------------------------------------------------------
@@ -131,17 +144,18 @@ class EngineTelemetry:
             self._sink.internal_error(events)
 
     def apply_pending(self) -> None:
-        """Apply the event batches kept so far (``TelemetryConfig.defer_steps``), in order."""
+        """Apply the event batches and engine steps kept so far (``TelemetryConfig.defer_steps``),
+        in order; the steps kept in a row go to the step translator in one call."""
         handle = self.tracker.handle
         pending = self._pending
         with self.metrics.lock:
             while pending:
                 batch = pending.popleft()
-                if callable(batch):
-                    try:
-                        batch()
-                    except Exception:  # noqa: BLE001 - never into the engine
-                        self._sink.internal_error(batch)
+                if type(batch) is not tuple:
+                    steps = [batch]
+                    while pending and type(pending[0]) is not tuple:
+                        steps.append(pending.popleft())
+                    self._translate_steps(steps)
                     continue
                 for event in batch:
                     try:
@@ -173,11 +187,15 @@ class EngineTelemetry:
 
     # -- for adapters whose engine hands over derived stats (vLLM) -----------------------
 
-    def defer(self, step: Callable[[], None], idle: bool = False) -> None:
-        """Keep ``step`` (an adapter's calls to ``record_iteration``, ``record_finished`` and
-        ``on_step`` for one engine step) and run it in order with the event batches, every
-        ``defer_steps`` steps, at collection, flush and shutdown, as for events; ``idle``: the
-        engine went idle, apply everything now."""
+    def translate_steps_with(self, translator: StepTranslator) -> None:
+        """The translator of the engine steps an adapter keeps (:meth:`keep_step`)."""
+        self._translate = translator
+
+    def keep_step(self, step: KeptStep, idle: bool = False) -> None:
+        """Keep one engine step as the adapter got it, to be translated (by the translator given
+        to :meth:`translate_steps_with`) in order with the event batches, every
+        ``defer_steps`` steps, at collection, flush and shutdown; ``idle``: the engine went
+        idle, apply everything now."""
         try:
             pending = self._pending
             pending.append(step)
@@ -185,6 +203,16 @@ class EngineTelemetry:
                 self.apply_pending()
         except Exception:  # noqa: BLE001 - never into the engine
             self._sink.internal_error(None)
+
+    def _translate_steps(self, steps: list[KeptStep]) -> None:
+        try:
+            if self._translate is None:
+                raise RuntimeError("engine steps kept with no step translator")
+            self._translate(self, steps)
+        except Exception:  # noqa: BLE001 - never into the engine
+            # Every step of the batch is lost: one report, each counted.
+            self._sink.internal_error(steps[0])
+            self._sink.metrics.dropped(drops.INTERNAL_ERROR, len(steps) - 1)
 
     def record_finished(
         self, summary: RequestSummary, trace_context: Optional[Any] = None, metrics: bool = True, span: bool = True

@@ -7,7 +7,6 @@ with no code change; the telemetry is configured from the environment (``OTEL_*`
 
 from __future__ import annotations
 
-import os
 from typing import Any, Optional
 
 from otel_llm.config.settings import TelemetryConfig
@@ -28,10 +27,8 @@ def register(engine: Any, config: Optional[TelemetryConfig] = None, **setup_kwar
     metrics and traces on, as every entry point does.
     """
     if config is None:
-        overrides = {} if os.environ.get("OTEL_LLM_MODEL_NAME") else {"model_name": MODEL_NAME}
-        if not os.environ.get("OTEL_LLM_PROVIDER_NAME", "").strip():
-            overrides["provider_name"] = PROVIDER_NAME  # tells engine_stub apart in a fleet of engines
-        config = TelemetryConfig.from_env(None, **overrides)
+        # The provider name tells engine_stub apart in a fleet of engines.
+        config = TelemetryConfig.from_env(defaults={"model_name": MODEL_NAME, "provider_name": PROVIDER_NAME})
     handle = setup_telemetry(config, **{"port_taken": "warn", **setup_kwargs})
     engine.hooks.subscribe(handle.telemetry)
     engine.telemetry_handle = handle

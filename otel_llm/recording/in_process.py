@@ -30,7 +30,7 @@ from otel_llm.config.labels import LabelLimiter
 from otel_llm.config.settings import TelemetryConfig
 from otel_llm.events import StepStats
 from otel_llm.recording.cells import ExemplarIds, ExponentialHistogramCell, HistogramCell
-from otel_llm.recording.recorder import GaugeSource
+from otel_llm.recording.recorder import GaugeSource, PendingWork
 from otel_llm.summary import RequestSummary
 from otel_llm.version import __version__
 
@@ -47,16 +47,16 @@ class ProviderInstruments:
 
     def __init__(self, meter: Meter, config: TelemetryConfig) -> None:
         self.naming = config.naming
-        # Serialises writers (engines), and the pending batches a collection applies first.
-        # Reentrant: a deferred engine step (EngineTelemetry.defer) records through the
-        # telemetry's own methods, which take it, while its batch is applied under it.
+        # Serialises writers (engines), and the pending work a collection applies first.
+        # Reentrant: an adapter's kept engine steps record through the telemetry's own
+        # methods, which take it, while the pending work is applied under it.
         self.lock = threading.RLock()
         self.recorders: "weakref.WeakSet[InProcessRecorder]" = weakref.WeakSet()
         self.cells: dict[tuple[str, tuple], HistogramCell] = {}
         # Cells exported from their creation, at zero until observed (show_zero_series).
         self.shown: set[int] = set()
-        # Telemetries that keep event batches (TelemetryConfig.defer_steps): applied at collection.
-        self.deferring: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        # Telemetries that keep work to apply in batches (TelemetryConfig.defer_steps).
+        self.pending: "weakref.WeakSet[PendingWork]" = weakref.WeakSet()
         # Metrics (by key) exported from another source at collection, not from the recorders.
         self.elsewhere: dict[str, Callable[[], Iterable[Observation]]] = {}
         self._collecting: Optional[CallbackOptions] = None  # the collection whose callbacks run
@@ -74,12 +74,18 @@ class ProviderInstruments:
             cell = self.cells[ident] = (ExponentialHistogramCell if exponential else HistogramCell)(bounds, attributes)
         return cell
 
-    def before_collect(self) -> None:
-        """Run by the first callback of each collection (the SDK runs them all before it reads
-        any instrument): pending event batches applied. Never raises into the SDK's collection."""
-        for telemetry in list(self.deferring):
+    def drain(self, options: CallbackOptions) -> None:
+        """Run by every callback that reads what is recorded into this provider (the SDK runs
+        a collection's callbacks before it reads any instrument): the pending work applied,
+        once per collection. The SDK gives a collection's callbacks one CallbackOptions, unless
+        its deadline is near (a flush's): then each its own, and each drains. Never raises into
+        the SDK's collection."""
+        if options is self._collecting:
+            return
+        self._collecting = options
+        for work in list(self.pending):
             try:
-                telemetry.apply_pending()
+                work.apply_pending()
             except Exception:  # noqa: BLE001 - never into the SDK's collection
                 _log.warning("otel_llm: applying pending events at collection failed", exc_info=True)
 
@@ -90,11 +96,7 @@ class ProviderInstruments:
         one, else ``own``'s (what the recorders hold)."""
 
         def callback(options: CallbackOptions) -> Iterator[Observation]:
-            # The SDK gives a collection's callbacks one CallbackOptions, unless its deadline is
-            # near (a flush's): then each its own, and each applies what is pending.
-            if options is not self._collecting:
-                self._collecting = options
-                self.before_collect()
+            self.drain(options)
             source = self.elsewhere.get(key)
             yield from source() if source is not None else own(key)
 
@@ -137,6 +139,14 @@ def _new_locks_after_fork() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_new_locks_after_fork)
+
+
+def drain(meter_provider: MeterProvider, options: CallbackOptions) -> None:
+    """For instruments of others on ``meter_provider`` that read what the telemetry records:
+    its pending work applied first, as for the telemetry's own (:meth:`ProviderInstruments.drain`)."""
+    instruments = _by_provider.get(meter_provider)
+    if instruments is not None:
+        instruments.drain(options)
 
 
 def _instruments_for(meter_provider: MeterProvider, config: TelemetryConfig) -> ProviderInstruments:

@@ -26,6 +26,14 @@ from otel_llm.summary import RequestSummary
 GaugeSource = Callable[[str], Optional[float]]
 
 
+class PendingWork(Protocol):
+    """What a telemetry keeps to record in batches (event batches, an adapter's engine steps):
+    every collection of its MeterProvider has it applied first (the in-process recorder's
+    ``drain``), so that no reader sees a partial picture."""
+
+    def apply_pending(self) -> None: ...
+
+
 class Recorder(Protocol):
     """What the telemetry observes. Exemplar ids come with the request-scoped observations.
 

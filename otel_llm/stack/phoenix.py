@@ -22,6 +22,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
+from otel_llm.config.settings import from_environment
 from otel_llm.stack.netns import IsolationUnavailable, start_isolated
 
 VENV = ".venv-phoenix"  # where `make setup-phoenix` installs it, in the repository
@@ -42,7 +43,7 @@ class TraceNotFound(AssertionError):
 def executable(explicit: Optional[str] = None) -> Optional[str]:
     """The ``phoenix`` executable: ``explicit``, else $OTEL_LLM_PHOENIX, else .venv-phoenix in the
     current folder or in the repository of this checkout, else ``phoenix`` on PATH."""
-    given = explicit or os.environ.get(ENV_EXECUTABLE)
+    given = explicit or from_environment(ENV_EXECUTABLE)
     if given:
         return given if os.access(given, os.X_OK) else None
     for root in (Path.cwd(), Path(__file__).resolve().parents[2]):

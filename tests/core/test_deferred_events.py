@@ -3,6 +3,8 @@ when the engine goes idle, when a reader collects, on flush() and on shutdown().
 
 from __future__ import annotations
 
+from typing import Any, Sequence
+
 from otel_llm import StepStats, TelemetryConfig, setup_telemetry
 from otel_llm.config.settings import DEFAULT_DEFER_STEPS
 from otel_llm.testing import in_memory_telemetry, lifecycle
@@ -87,37 +89,51 @@ def test_setup_telemetry_defers_a_hand_built_telemetry_applies_at_once():
     assert [attrs(s.attributes)["gen_ai.request.id"] for s in r.span_exporter.get_finished_spans()] == ["a"]
 
 
-def test_an_adapters_deferred_steps_run_in_order_with_the_event_batches():
-    """An adapter's step (EngineTelemetry.defer) records through the telemetry's own methods,
-    which take the lock its batch is applied under."""
-    r = in_memory_telemetry(TelemetryConfig(model_name="tiny", defer_steps=3))
-    order: list[str] = []
+def test_an_adapters_kept_steps_are_translated_in_order_with_the_event_batches():
+    """The steps kept in a row go to the translator in one call; it records through the
+    telemetry's own methods, which take the lock the pending work is applied under."""
+    r = in_memory_telemetry(TelemetryConfig(model_name="tiny", defer_steps=4))
+    calls: list[list[int]] = []
 
-    def step(tokens: int) -> None:
-        order.append(f"step {tokens}")
-        r.telemetry.record_iteration(generation_tokens=tokens, num_preemptions=1)
+    def translate(telemetry: Any, steps: Sequence[int]) -> None:
+        calls.append(list(steps))
+        for tokens in steps:
+            telemetry.record_iteration(generation_tokens=tokens, num_preemptions=1)
 
-    r.telemetry.defer(lambda: step(2))
+    r.telemetry.translate_steps_with(translate)
+    r.telemetry.keep_step(2)
+    r.telemetry.keep_step(3)
     r.telemetry.on_events(lifecycle("a", 10.0, tokens=4))
-    assert order == [] and len(r.telemetry._pending) == 2
-    r.telemetry.defer(lambda: step(5))  # the 3rd: all applied, in order
-    assert order == ["step 2", "step 5"] and len(r.telemetry._pending) == 0
-    assert r.counter("generation_tokens") == 2 + 4 + 5
-    assert r.counter("num_preemptions") == 2
+    assert calls == [] and len(r.telemetry._pending) == 3
+    r.telemetry.keep_step(5)  # the 4th: all applied, in order
+    assert calls == [[2, 3], [5]] and len(r.telemetry._pending) == 0
+    assert r.counter("generation_tokens") == 2 + 3 + 4 + 5
+    assert r.counter("num_preemptions") == 3
 
 
-def test_an_idle_deferred_step_applies_everything_and_a_failing_one_is_counted():
+def test_an_idle_kept_step_applies_everything_and_a_failing_batch_is_counted_per_step():
     r = in_memory_telemetry(TelemetryConfig(model_name="tiny", defer_steps=1000))
     r.telemetry.on_events(lifecycle("a", 10.0))
 
-    def boom() -> None:
-        raise RuntimeError("adapter bug")
+    def translate(telemetry: Any, steps: Sequence[int]) -> None:
+        if 0 in steps:
+            raise RuntimeError("adapter bug")
+        telemetry.record_iteration(generation_tokens=sum(steps))
 
-    r.telemetry.defer(boom)
-    r.telemetry.defer(lambda: r.telemetry.record_iteration(generation_tokens=3))
-    assert len(r.telemetry._pending) == 3
-    r.telemetry.defer(lambda: r.telemetry.record_iteration(generation_tokens=1), idle=True)
+    r.telemetry.translate_steps_with(translate)
+    r.telemetry.keep_step(0)
+    r.telemetry.keep_step(7)  # lost with the failing one: translated together
+    r.telemetry.on_events(lifecycle("b", 11.0))
+    r.telemetry.keep_step(3)
+    assert len(r.telemetry._pending) == 5
+    r.telemetry.keep_step(1, idle=True)
     assert len(r.telemetry._pending) == 0
-    assert [attrs(s.attributes)["gen_ai.request.id"] for s in r.span_exporter.get_finished_spans()] == ["a"]
+    assert sorted(attrs(s.attributes)["gen_ai.request.id"] for s in r.span_exporter.get_finished_spans()) == ["a", "b"]
+    assert r.counter("dropped_events", reason="internal_error") == 2
+    assert r.counter("generation_tokens") == 3 + 3 + 3 + 1  # the requests' 3 each, then the steps'
+
+
+def test_steps_kept_without_a_translator_are_counted_not_raised():
+    r = in_memory_telemetry(TelemetryConfig(model_name="tiny", defer_steps=1))
+    r.telemetry.keep_step("a step")
     assert r.counter("dropped_events", reason="internal_error") == 1
-    assert r.counter("generation_tokens") == 3 + 3 + 1  # the request's 3, then the steps'

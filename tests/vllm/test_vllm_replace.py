@@ -124,7 +124,10 @@ def test_replace_serves_what_vllm_serves(clean, vllm_config, monkeypatch, accept
 def test_replace_scraped_mid_stream_serves_what_vllm_serves(clean, vllm_config, monkeypatch):
     """Mid-stream the plugin still keeps its last engine steps (defer_steps), vLLM's logger code
     among them: the scrape applies them first."""
+    from opentelemetry.metrics import CallbackOptions
     from vllm.v1.metrics.prometheus import unregister_vllm_metrics
+
+    from otel_llm.recording.in_process import drain
 
     steps = 7
     unregister_vllm_metrics()
@@ -135,7 +138,8 @@ def test_replace_scraped_mid_stream_serves_what_vllm_serves(clean, vllm_config, 
     run(manager, _streams(), steps=steps)
     (ours,) = manager.stat_loggers
     assert all(tel._pending for tel in ours.telemetry.values())  # steps kept, on both engines
-    ours._impl.series.before_read()  # what a read of vLLM's series runs first, whatever the SDK's order
+    # What a read of vLLM's series runs first, as the core's instruments do, whatever the SDK's order.
+    drain(ours.handle.meter_provider, CallbackOptions())
     assert not any(tel._pending for tel in ours.telemetry.values())
     _, mid = _scrape(TEXT)
     assert [line for line in mid if not NEVER_PREEMPTED.match(line)] == stock

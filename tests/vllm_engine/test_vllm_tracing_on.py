@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from otel_llm.integrations.vllm.adapter import SIBLING_SPAN_NAME
+from otel_llm.integrations.vllm.plan import SIBLING_SPAN_NAME
 from otel_llm.testing.vllm.server import MODEL_NAME, Load, VllmServer, run_load, scrape, traceparent
 from tests.support.backends import wait_until
 

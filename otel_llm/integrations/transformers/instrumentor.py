@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import os
 import threading
 import weakref
 from importlib.metadata import PackageNotFoundError, version
@@ -365,12 +364,7 @@ class TransformersInstrumentor(BaseInstrumentor):
 def _config_from_env() -> Any:
     from otel_llm.config.settings import TelemetryConfig
 
-    defaults: dict[str, Any] = {}
-    if not os.environ.get("OTEL_LLM_NAMING"):
-        defaults["naming"] = "semconv"
-    if not os.environ.get("OTEL_LLM_PROVIDER_NAME"):
-        defaults["provider_name"] = PROVIDER_NAME
-    return TelemetryConfig.from_env(None, **defaults)
+    return TelemetryConfig.from_env(defaults={"naming": "semconv", "provider_name": PROVIDER_NAME})
 
 
 def _installed() -> Optional[str]:

@@ -43,12 +43,12 @@ import collections
 import contextvars
 import inspect
 import logging
-import os
 import threading
 import time
 import weakref
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional
 
+from otel_llm.config.settings import from_environment
 from otel_llm.summary import ENGINE_DEAD, SHUTDOWN
 
 _log = logging.getLogger(__name__)
@@ -68,13 +68,13 @@ _state: dict[str, Any] = {"installed": False, "failed": None, "originals": []}
 _adding_headers: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("otel_llm_trace_headers", default=None)
 
 
-def enabled(environ: Optional[dict] = None) -> bool:
-    value = (environ if environ is not None else os.environ).get(ENV, "").strip().lower()
-    return value in ("1", "true", "yes", "on", "force")
+def enabled(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """Asked for (``on`` or ``force``); a bad value raises ValueError naming the variable."""
+    return from_environment(ENV, environ) in ("on", "force")
 
 
 def _forced() -> bool:
-    return os.environ.get(ENV, "").strip().lower() == "force"
+    return from_environment(ENV) == "force"
 
 
 def register() -> None:
@@ -86,6 +86,8 @@ def register() -> None:
         frontend.check()
         if enabled():
             install()
+    except ValueError as exc:  # a bad OTEL_LLM_VLLM_DEEP_HOOK: its name and the rule, one line
+        _log.error("otel-llm deep hook: not attached: %s", exc)
     except Exception:  # noqa: BLE001 - registration must not stop vLLM: the plain plugin stays
         _log.exception("otel-llm deep hook: registration failed; falling back")
 

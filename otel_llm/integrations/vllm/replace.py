@@ -29,6 +29,7 @@ from prometheus_client import metrics as prometheus_metrics
 from prometheus_client.samples import Sample
 
 from otel_llm._sdk import prometheus_exporter as sdk_prometheus
+from otel_llm.config.settings import from_environment
 from otel_llm.export.prometheus import ExemplarPrometheusMetricReader
 
 _log = logging.getLogger(__name__)
@@ -40,10 +41,7 @@ TESTED_VERSIONS = ((0, 11), (0, 34))  # [min, max): the isinstance rule of StatL
 
 def mode(environ: Mapping[str, str] = os.environ) -> str:
     """``add`` (default) or ``replace``; another value raises ValueError naming the variable."""
-    value = environ.get(ENV, "").strip().lower() or "add"
-    if value not in MODES:
-        raise ValueError(f"{ENV}={environ.get(ENV)!r}: expected one of {', '.join(MODES)}")
-    return value
+    return from_environment(ENV, environ) or "add"
 
 
 def requested(environ: Mapping[str, str] = os.environ) -> bool:

@@ -32,6 +32,7 @@ mode), or where the API servers share the scheduler gauges, vLLM's code runs her
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import threading
 import time
@@ -44,6 +45,7 @@ from opentelemetry.sdk.metrics.view import View
 from otel_llm.catalogue.metrics import METRICS, SCOPE
 from otel_llm.recording.cell_aggregation import InProcessHistogram
 from otel_llm.recording.cells import HistogramCell
+from otel_llm.recording.in_process import drain
 from otel_llm.version import __version__
 
 __all__ = ["VllmSeries", "SeriesView"]
@@ -58,6 +60,7 @@ _REGISTERED_NAME: dict[str, Callable[[str], str]] = {
 _SEMCONV_LABELS = {"model_name": "gen_ai.request.model", "engine": "llm.engine"}
 _ATTRIBUTE_SETS_KEPT = 4096  # of vLLM's series read; cleared when full (label values vLLM let grow)
 _construct_lock = threading.Lock()
+_log = logging.getLogger("otel_llm.integrations.vllm")  # one logger for the vLLM adapter, whichever module logs
 
 
 class SeriesView(View):
@@ -203,9 +206,7 @@ class VllmSeries:
         # A prometheus_client registry where vLLM's own logger records these series: read there
         # at collection (read_from); None: recorded here by ``logger``.
         self.source: Optional[Any] = None
-        # Run before the values recorded here are read: applies the engine steps that the
-        # adapter keeps (EngineTelemetry.defer), whose translation calls ``logger``.
-        self.before_read: Callable[[], None] = _nothing
+        self._failed: set[str] = set()  # logger methods whose failure was reported
         self._read_cells: dict[tuple[str, tuple[tuple[str, str], ...]], HistogramCell] = {}
         self._read_attributes: dict[tuple[str, tuple[str, ...]], dict[str, str]] = {}
         # Families recorded but not exported by this process: another process reports them.
@@ -217,6 +218,23 @@ class VllmSeries:
         self.logger.log_engine_initialized()
         for name in set(self.families) - before:
             self.families[name].children.clear()
+
+    def run(self, method: str, *args: Any, **kwargs: Any) -> None:
+        """One of vLLM's own logger methods on :attr:`logger` (none when the series are read
+        from vLLM's own logger); a failure is reported once and leaves the rest untouched."""
+        if self.source is not None:
+            return
+        try:
+            getattr(self.logger, method)(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - vLLM's own logger code must not break the telemetry's hook
+            if method not in self._failed:
+                self._failed.add(method)
+                _log.warning(
+                    "otel-llm vLLM adapter: vLLM's PrometheusStatLogger.%s failed (%r): vLLM's series beyond "
+                    "the core metrics may be incomplete (reported once)",
+                    method,
+                    exc,
+                )
 
     def read_from(self, registry: Any) -> None:
         """Export the values vLLM's own logger holds in ``registry`` (prometheus_client's global
@@ -377,7 +395,7 @@ class VllmSeries:
         with _construct_lock:
             binding = _bindings.get(meter_provider)
             if binding is None:
-                binding = _bindings[meter_provider] = _Binding(meter_provider.get_meter(SCOPE, __version__))
+                binding = _bindings[meter_provider] = _Binding(meter_provider)
             binding.series = self
             left_out = []
             for f in self._recording():
@@ -392,8 +410,10 @@ class _Binding:
     """The instruments of one MeterProvider: created once per family name (the SDK ignores the
     callbacks of an instrument created again), reading the latest series bound."""
 
-    def __init__(self, meter: Meter) -> None:
-        self.meter = meter
+    def __init__(self, meter_provider: Any) -> None:
+        self.meter: Meter = meter_provider.get_meter(SCOPE, __version__)
+        # Weakly: the bindings are kept by provider, weakly, and must not keep it alive.
+        self.provider = weakref.ref(meter_provider)
         self.series: Optional[VllmSeries] = None
         self.names: set[str] = set()
 
@@ -407,7 +427,7 @@ class _Binding:
         create(instrument, [self._callback(family.name)], "", family.documentation)
 
     def _callback(self, name: str) -> Callable[[CallbackOptions], Iterator[Observation]]:
-        def callback(_: CallbackOptions) -> Iterator[Observation]:
+        def callback(options: CallbackOptions) -> Iterator[Observation]:
             series = self.series
             if series is None:
                 return
@@ -417,7 +437,10 @@ class _Binding:
             if series.source is not None:
                 yield from series.read(family)
                 return
-            series.before_read()
+            # The values recorded here come from the engine steps the telemetry keeps.
+            provider = self.provider()
+            if provider is not None:
+                drain(provider, options)
             for key, child in list(family.children.items()):
                 if isinstance(child, HistogramCell):
                     yield child.observation()
@@ -430,10 +453,6 @@ class _Binding:
 
 
 _bindings: "weakref.WeakKeyDictionary[Any, _Binding]" = weakref.WeakKeyDictionary()
-
-
-def _nothing() -> None:
-    pass
 
 
 @contextlib.contextmanager

@@ -1,0 +1,252 @@
+"""vLLM's stats translated into the core telemetry: ``SchedulerStats`` and ``IterationStats`` into
+:class:`~otel_llm.events.StepStats` and per-iteration observations, each ``FinishedRequestStats``
+into a :class:`~otel_llm.summary.RequestSummary`. Which field of vLLM's feeds which of ours is a
+table (:data:`FINISHED_FIELDS`, :data:`ITERATION_COUNTS`, ...), read through
+:class:`~otel_llm.integrations.vllm.fields.FieldReader`: a field gone degrades the metric the
+table names, with one warning.
+
+The adapter keeps each engine step as a :class:`VllmStep`; the telemetry hands the steps kept
+in a row to one engine's :class:`StepTranslator` (``EngineTelemetry.translate_steps_with``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, NamedTuple, Optional, Sequence
+
+from otel_llm.core.telemetry import EngineTelemetry
+from otel_llm.events import StepStats
+from otel_llm.integrations.vllm.fields import MISSING, FieldReader
+from otel_llm.summary import SHUTDOWN, RequestSummary
+
+DEFAULT_PREEMPTION_REASON = "kv_cache_full"  # vLLM preempts for KV cache space only
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class VllmStep:
+    """One engine step as vLLM's stat-logger call handed it over."""
+
+    scheduler_stats: Any
+    iteration_stats: Any
+    mm_cache_stats: Any
+    # time.time() - time.monotonic() when it came: vLLM's wall-clock times onto the engine clock.
+    wall_offset: float
+
+
+class Field(NamedTuple):
+    ours: str  # the RequestSummary field, or record_iteration / StepStats argument
+    vllm: str  # the attribute of vLLM's stats object
+    metric: str  # what is not recorded without it (named in the warning)
+
+
+# FinishedRequestStats -> RequestSummary: durations (seconds, as given) and counts (ints).
+FINISHED_DURATIONS = (
+    Field("queue_time", "queued_time", "vllm:request_queue_time_seconds"),
+    Field("prefill_time", "prefill_time", "vllm:request_prefill_time_seconds"),
+    Field("decode_time", "decode_time", "vllm:request_decode_time_seconds"),
+    Field("inference_time", "inference_time", "vllm:request_inference_time_seconds"),
+    Field("time_per_output_token", "mean_time_per_output_token", "vllm:request_time_per_output_token_seconds"),
+)
+FINISHED_COUNTS = (
+    Field("prompt_tokens", "num_prompt_tokens", "vllm:request_prompt_tokens"),
+    Field("generation_tokens", "num_generation_tokens", "vllm:request_generation_tokens"),
+)
+# IterationStats -> EngineTelemetry.record_iteration: per-step latencies and counts.
+ITERATION_LATENCIES = (
+    Field("ttfts", "time_to_first_tokens_iter", "vllm:time_to_first_token_seconds"),
+    Field("itls", "inter_token_latencies_iter", "vllm:inter_token_latency_seconds"),
+)
+ITERATION_COUNTS = (
+    Field("prompt_tokens", "num_prompt_tokens", "vllm:prompt_tokens"),
+    Field("generation_tokens", "num_generation_tokens", "vllm:generation_tokens"),
+    Field("num_preemptions", "num_preempted_reqs", "vllm:num_preemptions"),
+)
+# SchedulerStats -> StepStats (vLLM's waiting gauge counts the deferred, "skipped", ones too).
+SCHEDULER_FIELDS = (
+    Field("num_running", "num_running_reqs", "vllm:num_requests_running"),
+    Field("num_waiting", "num_waiting_reqs", "vllm:num_requests_waiting"),
+    Field("kv_cache_usage", "kv_cache_usage", "vllm:kv_cache_usage_perc"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class VllmRequestSummary(RequestSummary):
+    """A RequestSummary whose ``e2e`` is vLLM's own ``e2e_latency`` when known:
+    ``finish_time - arrival_time`` would be vLLM's value only up to float rounding (the arrival
+    is derived from it), and the histogram must hold exactly the value vLLM's logger observes."""
+
+    e2e_latency: Optional[float] = None
+
+    @property
+    def e2e(self) -> float:
+        if self.e2e_latency is not None:
+            return self.e2e_latency
+        return self.finish_time - self.arrival_time
+
+
+class StepTranslator:
+    """One engine's kept steps into its telemetry (``EngineTelemetry.translate_steps_with``).
+
+    ``series``: vLLM's logger code for the series beyond the core, run per step where it is not
+    read from vLLM's own logger (None otherwise); ``steps_read``: the per-step core series are
+    read from vLLM's logger, only the finished requests are translated; ``gauges``: the
+    scheduler gauges shared with other API servers, published per step; ``deep_hook``: the deep
+    hook module when it is attached (what it saw of each finished request).
+    """
+
+    def __init__(
+        self,
+        engine_idx: int,
+        reader: FieldReader,
+        *,
+        series: Any = None,
+        steps_read: bool = False,
+        gauges: Any = None,
+        deep_hook: Any = None,
+    ) -> None:
+        self.engine_idx = engine_idx
+        self.reader = reader
+        self.series = series
+        self.steps_read = steps_read
+        self.gauges = gauges
+        self.deep_hook = deep_hook
+        self._last_sched: Optional[tuple[int, int, float]] = None  # (running, waiting, usage)
+
+    def __call__(self, telemetry: EngineTelemetry, steps: Sequence[VllmStep]) -> None:
+        if self.series is not None:
+            for s in steps:
+                self.series.run(
+                    "record",
+                    s.scheduler_stats,
+                    s.iteration_stats,
+                    mm_cache_stats=s.mm_cache_stats,
+                    engine_idx=self.engine_idx,
+                )
+        iterations = [s for s in steps if s.iteration_stats is not None]
+        if not self.steps_read:
+            if iterations:
+                self._record_iteration(telemetry, iterations)
+            for s in steps:
+                self._record_step(telemetry, s)
+        self._record_finished(telemetry, iterations)
+
+    def _record_iteration(self, telemetry: EngineTelemetry, iterations: Sequence[VllmStep]) -> None:
+        """Several steps' IterationStats: their latencies and counts in one call."""
+        r = self.reader
+        values: dict[str, Any] = {f.ours: [] for f in ITERATION_LATENCIES}
+        values.update({f.ours: 0 for f in ITERATION_COUNTS})
+        for s in iterations:
+            it = s.iteration_stats
+            for f in ITERATION_LATENCIES:
+                values[f.ours] += r.sequence(it, f.vllm, f.metric)
+            for f in ITERATION_COUNTS:
+                values[f.ours] += int(r.number(it, f.vllm, f.metric) or 0)
+        telemetry.record_iteration(**values, preemption_reason=DEFAULT_PREEMPTION_REASON)
+
+    def _record_step(self, telemetry: EngineTelemetry, s: VllmStep) -> None:
+        r, sched, it = self.reader, s.scheduler_stats, s.iteration_stats
+        last = self._last_sched
+        running, waiting, usage = last if last is not None else (0, 0, 0.0)
+        if sched is not None:
+            run_f, wait_f, usage_f = SCHEDULER_FIELDS
+            v = r.number(sched, run_f.vllm, run_f.metric)
+            running = int(v) if v is not None else running
+            w = r.number(sched, wait_f.vllm, wait_f.metric)
+            skipped = getattr(sched, "num_skipped_waiting_reqs", 0)
+            if type(skipped) is not int:
+                skipped = 0
+            waiting = int(w) + skipped if w is not None else waiting
+            u = r.number(sched, usage_f.vllm, usage_f.metric)
+            usage = float(u) if u is not None else usage
+            self._last_sched = (running, waiting, usage)
+        # Only an iteration observes iteration_tokens_total (0 included), as vLLM does.
+        batched = ts = None
+        if it is not None:
+            batched = self._iteration_tokens(it)
+            ts = r.number(it, "iteration_timestamp", "span times")
+        if sched is None and last is None and batched is None:
+            return
+        at = ts - s.wall_offset if ts is not None else time.monotonic()
+        telemetry.on_step(StepStats(at, running, waiting, usage, batched))
+        if sched is not None and self.gauges is not None:
+            self.gauges.publish(self.engine_idx, running, waiting, usage)
+
+    def _iteration_tokens(self, it: Any) -> Optional[int]:
+        # vLLM: prompt_token_stats.computed + num_generation_tokens (cached prompt tokens excluded).
+        # None (not observed) when a field is missing: the metric degrades, with one warning.
+        r = self.reader
+        gen = r.number(it, "num_generation_tokens", "vllm:iteration_tokens_total")
+        pts = r.raw(it, "prompt_token_stats", "vllm:iteration_tokens_total")
+        if gen is None or pts is MISSING:
+            return None
+        computed = r.number(pts, "computed", "vllm:iteration_tokens_total") if pts is not None else 0
+        if computed is None:
+            return None
+        return int(computed + gen)
+
+    def _record_finished(self, telemetry: EngineTelemetry, iterations: Sequence[VllmStep]) -> None:
+        """The finished requests of several steps' IterationStats: metrics and spans."""
+        r, hook = self.reader, self.deep_hook
+        for s in iterations:
+            it = s.iteration_stats
+            finished = r.raw(it, "finished_requests", "the per-request metrics and spans")
+            if finished is MISSING or not finished:
+                continue
+            ts = r.number(it, "iteration_timestamp", "span times")
+            finish_time = (ts - s.wall_offset) if ts is not None else time.monotonic()
+            for f in list(finished):
+                deep = hook.trace_of(f) if hook is not None else None
+                summary = self.summary(f, finish_time, s.wall_offset, deep)
+                if summary is not None:
+                    # A request the deep hook already ended (cut short at shutdown) keeps its one span.
+                    span = deep is None or not deep.ended
+                    telemetry.record_finished(summary, deep.carrier if deep is not None else None, span=span)
+
+    def summary(self, f: Any, finish_time: float, offset: float, deep: Any) -> Optional[VllmRequestSummary]:
+        """The RequestSummary of one of vLLM's FinishedRequestStats; ``deep``: what the deep hook
+        saw of that request (None without it)."""
+        r = self.reader
+        reason = r.raw(f, "finish_reason", "vllm:request_success")
+        if reason is MISSING or reason is None:
+            return None
+        e2e = r.number(f, "e2e_latency", "vllm:e2e_request_latency_seconds")
+        num_preemptions = r.number(f, "num_preemptions", "vllm:request_num_preemptions")
+        arrival = finish_time - e2e if e2e is not None else None
+        preemptions: tuple[tuple[float, int, str], ...] = ()
+        preempted_time = None
+        ttft = None
+        if deep is not None:
+            preemptions = tuple((ts, 0, DEFAULT_PREEMPTION_REASON) for ts in deep.preempted_at)
+            preempted_time = deep.preempted_time(finish_time)
+            if deep.arrival_time is not None:
+                arrival = deep.arrival_time - offset
+            ttft = deep.first_token_latency
+            if num_preemptions is None:
+                num_preemptions = len(preemptions)
+        request_id = r.raw(f, "request_id", "span attribute gen_ai.request.id")
+        values: dict[str, Any] = {d.ours: r.number(f, d.vllm, d.metric) for d in FINISHED_DURATIONS}
+        values.update({c.ours: _int(r.number(f, c.vllm, c.metric)) for c in FINISHED_COUNTS})
+        return VllmRequestSummary(
+            e2e_latency=e2e,
+            request_id=str(request_id) if request_id not in (MISSING, None) else "",
+            finish_reason=str(reason),
+            arrival_time=arrival if arrival is not None else finish_time,
+            finish_time=finish_time,
+            max_tokens=_int(r.number(f, "max_tokens_param", "vllm:request_params_max_tokens")) or 0,
+            num_preemptions=_int(num_preemptions) or 0,
+            ttft=ttft,
+            preempted_time=preempted_time,
+            recomputed_tokens=0,
+            cached_tokens=_int(getattr(f, "num_cached_tokens", 0)) or 0,
+            preemptions=preemptions,
+            # Aborted by vLLM's shutdown (in flight when it began), not by its client.
+            incomplete=SHUTDOWN if deep is not None and deep.stopping and str(reason) == "abort" else None,
+            **values,
+        )
+
+
+def _int(value: Any) -> Optional[int]:
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return int(value)
