@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-LOOPBACK = "127.0.0.1"
+from otel_llm.stack.ports import LOOPBACK, free_port
 
 
 def median(values: list[float]) -> float:
@@ -59,12 +59,6 @@ def slope(xs: list[float], ys: list[float]) -> float:
     mx, my = sum(xs) / n, sum(ys) / n
     den = sum((x - mx) ** 2 for x in xs)
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / den if den else math.nan
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
 
 
 def _port_open(port: int) -> bool:

@@ -1,4 +1,4 @@
-"""opentelemetry-exporter-prometheus internals: the collector that otel_llm.export.prometheus extends
+"""opentelemetry-exporter-prometheus internals: the collector that otel_llm.export.prometheus_reader extends
 (exemplars, canonical ``le``; exporter 0.64b0+), and, for the exporter's own reader, the
 collector it registers (moved into a registry of ours where the reader takes no ``registry``,
 before 0.63b0)."""

@@ -75,10 +75,6 @@ def _otlp_configured() -> bool:
 def demo(args: argparse.Namespace, stack: Optional[Stack] = None) -> int:
     """The demo; with ``stack`` (``--stack``), its telemetry goes to that Prometheus and Phoenix,
     and the drill-down from them follows the summary."""
-    if args.stack and stack is None:
-        from otel_llm.cli.demo_stack import demo_on_stack
-
-        return demo_on_stack(args)
     # engine_stub needs torch; imported here so that the rest of the CLI does not.
     try:
         from engine_stub import Engine, EngineConfig
@@ -113,7 +109,7 @@ def demo(args: argparse.Namespace, stack: Optional[Stack] = None) -> int:
             "prometheus_port": args.prometheus_port,
         }
     )
-    config = TelemetryConfig.from_env(model_name=os.environ.get("OTEL_LLM_MODEL_NAME") or MODEL_NAME, **exporters)
+    config = TelemetryConfig.from_env(defaults={"model_name": MODEL_NAME}, **exporters)
     engine_config = EngineConfig(
         num_kv_blocks=args.kv_blocks,
         block_size=args.block_size,
@@ -155,7 +151,10 @@ def demo(args: argparse.Namespace, stack: Optional[Stack] = None) -> int:
             if args.serve_seconds > 0:
                 url = f"http://{args.prometheus_host}:{handle.prometheus_port}/metrics"
                 if stack is not None:
-                    print(f"Prometheus {stack.prometheus.url} and Phoenix {stack.phoenix.url} stay up as long")
+                    print(
+                        f"Prometheus {stack.prometheus.url} and Phoenix {stack.phoenix.url} stay up as long as "
+                        "/metrics is served, and stop with it."
+                    )
                 print(f"serving {url} for {args.serve_seconds:g} s (Ctrl-C to stop)", flush=True)
                 try:
                     threading.Event().wait(args.serve_seconds)

@@ -6,13 +6,12 @@ import argparse
 import contextlib
 import sys
 
+from otel_llm.cli.demo import demo
 from otel_llm.stack.drilldown import StackUnavailable, start_stack
-from otel_llm.stack.prometheus import LOOPBACK, free_port
+from otel_llm.stack.ports import LOOPBACK, free_port
 
 
 def demo_on_stack(args: argparse.Namespace) -> int:
-    from otel_llm.cli.demo import demo
-
     if args.prometheus_host != LOOPBACK:
         print(f"otel-llm demo --stack: the stack runs on {LOOPBACK} only, not --prometheus-host", file=sys.stderr)
         return 2

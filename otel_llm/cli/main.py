@@ -7,6 +7,7 @@ import sys
 from typing import Optional, Sequence
 
 from otel_llm.cli.demo import demo
+from otel_llm.cli.demo_stack import demo_on_stack
 from otel_llm.cli.demo_vllm import demo_vllm
 
 DESCRIPTION = (
@@ -31,6 +32,8 @@ def _demo(args: argparse.Namespace) -> int:
         from otel_llm.cli.demo_transformers import demo_transformers  # needs transformers
 
         return demo_transformers(args)
+    if args.stack:
+        return demo_on_stack(args)
     return demo(args)
 
 

@@ -1,4 +1,4 @@
-"""A local Prometheus (Debian's ``prometheus``) scraping one endpoint, with exemplar storage on.
+"""A local Prometheus (Debian's ``prometheus``) scraping the endpoints given, exemplar storage on by default.
 
 Exemplars scraped over OpenMetrics are kept only with ``--enable-feature=exemplar-storage``; they
 are read back with ``/api/v1/query_exemplars``.
@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -17,23 +16,18 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 from otel_llm.stack.lifetime import die_with_parent
+from otel_llm.stack.ports import LOOPBACK, free_port
 
-LOOPBACK = "127.0.0.1"
 READY_TIMEOUT_S = 30.0
+PORT_ATTEMPTS = 3
 MISSING = "apt-get install prometheus"
 
 
 class PrometheusUnavailable(RuntimeError):
     """Prometheus is not installed or did not become ready in time."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        return int(s.getsockname()[1])
 
 
 class Prometheus:
@@ -71,50 +65,98 @@ class Prometheus:
 
 @contextlib.contextmanager
 def start_prometheus(
-    target: str, port: Optional[int] = None, scrape_interval: str = "1s", ready_timeout_s: float = READY_TIMEOUT_S
+    *targets: str,
+    port: Optional[int] = None,
+    scrape_interval: str = "1s",
+    ready_timeout_s: float = READY_TIMEOUT_S,
+    exemplars: bool = True,
+    rule_files: Sequence[Path] = (),
 ) -> Iterator[Prometheus]:
-    """Prometheus on 127.0.0.1:``port`` (a free one by default) scraping ``target`` (host:port)."""
+    """Prometheus on 127.0.0.1:``port`` scraping ``targets`` (``host:port``, or metrics URLs: their
+    path is scraped) every ``scrape_interval``, evaluating ``rule_files`` as often.
+
+    Without ``port``, a free one: another process can take it before Prometheus binds it, and
+    Prometheus is then started again on another (3 attempts). Stopped, and its folder removed, on
+    exit. Raises PrometheusUnavailable when it is not installed or does not become ready in time.
+    """
     binary = shutil.which("prometheus")
     if binary is None:
         raise PrometheusUnavailable(f"Prometheus is not installed: {MISSING}")
     workdir = Path(tempfile.mkdtemp(prefix="otel-llm-prometheus-"))
-    config = {
-        "global": {"scrape_interval": scrape_interval, "scrape_timeout": scrape_interval},
-        "scrape_configs": [{"job_name": "otel_llm", "static_configs": [{"targets": [target]}]}],
-    }
-    (workdir / "prometheus.yml").write_text(json.dumps(config))  # JSON is YAML
-    listen = f"{LOOPBACK}:{port or free_port()}"
-    log_path = workdir / "prometheus.log"
-    proc = None
     try:
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(
-                [
-                    binary,
-                    f"--config.file={workdir / 'prometheus.yml'}",
-                    f"--storage.tsdb.path={workdir / 'data'}",
-                    f"--web.listen-address={listen}",
-                    "--enable-feature=exemplar-storage",
-                    "--log.level=warn",
-                ],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=workdir,
-                preexec_fn=die_with_parent,
-            )
-        prometheus = Prometheus(f"http://{listen}", proc, log_path)
-        _wait_ready(prometheus, ready_timeout_s)
-        yield prometheus
-    finally:
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
+        _write_config(workdir / "prometheus.yml", targets, scrape_interval, rule_files)
+        attempts = 1 if port else PORT_ATTEMPTS
+        for attempt in range(1, attempts + 1):
+            prometheus = _launch(binary, workdir, port or free_port(), exemplars)
             try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+                _wait_ready(prometheus, ready_timeout_s)
+                break
+            except PrometheusUnavailable as exc:
+                _stop(prometheus.proc)
+                if attempt == attempts or "in use" not in str(exc).lower():
+                    raise
+        try:
+            yield prometheus
+        finally:
+            _stop(prometheus.proc)
+    finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _write_config(path: Path, targets: Sequence[str], scrape_interval: str, rule_files: Sequence[Path]) -> None:
+    addresses = []
+    metrics_path = "/metrics"
+    for target in targets:
+        if "://" in target:  # a URL: one job, so one path for every target
+            parsed = urllib.parse.urlparse(target)
+            addresses.append(parsed.netloc)
+            metrics_path = parsed.path or "/metrics"
+        else:
+            addresses.append(target)
+    config = {
+        "global": {
+            "scrape_interval": scrape_interval,
+            "scrape_timeout": scrape_interval,
+            "evaluation_interval": scrape_interval,
+        },
+        "scrape_configs": [
+            {"job_name": "otel_llm", "metrics_path": metrics_path, "static_configs": [{"targets": addresses}]}
+        ],
+        "rule_files": [str(Path(f).resolve()) for f in rule_files],
+    }
+    path.write_text(json.dumps(config, indent=2))  # JSON is YAML
+
+
+def _launch(binary: str, workdir: Path, port: int, exemplars: bool) -> Prometheus:
+    listen = f"{LOOPBACK}:{port}"
+    log_path = workdir / "prometheus.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [
+                binary,
+                f"--config.file={workdir / 'prometheus.yml'}",
+                f"--storage.tsdb.path={workdir / 'data'}",
+                f"--web.listen-address={listen}",
+                *(["--enable-feature=exemplar-storage"] if exemplars else []),
+                "--log.level=warn",
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=workdir,
+            preexec_fn=die_with_parent,
+        )
+    return Prometheus(f"http://{listen}", proc, log_path)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def _wait_ready(prometheus: Prometheus, timeout_s: float) -> None:
@@ -129,5 +171,7 @@ def _wait_ready(prometheus: Prometheus, timeout_s: float) -> None:
         except (urllib.error.URLError, OSError):
             pass  # not listening yet
         if time.monotonic() >= deadline:
-            raise PrometheusUnavailable(f"Prometheus not ready at {prometheus.url} after {timeout_s:g} s")
+            raise PrometheusUnavailable(
+                f"Prometheus not ready at {prometheus.url} after {timeout_s:g} s: {prometheus.log()}"
+            )
         time.sleep(0.1)

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from otel_llm.stack.phoenix import MISSING, executable
-from otel_llm.stack.prometheus import free_port
+from otel_llm.stack.ports import free_port
 from tests.engine.test_demo import READY_TIMEOUT, demo_command, read_until_serving, sigint_not_ignored
 from tests.support.backends import prometheus_binary, require_backend
 from tests.support.sdk_versions import needs_prometheus_exporter

@@ -124,12 +124,20 @@ def test_the_module_table_lists_exactly_the_modules_there_are():
 
 
 def _trivial(init: Path) -> bool:
-    """A package's __init__ that only documents or re-exports (no code of its own)."""
-    tree = ast.parse(init.read_text())
+    """A package's __init__ or __main__ that only documents or re-exports (no code of its own)."""
+    return _only_documents_or_reexports(init.read_text())
+
+
+def _only_documents_or_reexports(source: str) -> bool:
+    # An expression statement is code unless it is the docstring (``main()`` is one too).
+    def docstring(node: ast.stmt) -> bool:
+        return isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+
     return all(
-        isinstance(node, (ast.Expr, ast.Import, ast.ImportFrom, ast.Assign, ast.FunctionDef))
-        and (not isinstance(node, ast.FunctionDef) or node.name == "__getattr__")
-        for node in tree.body
+        docstring(node)
+        or isinstance(node, (ast.Import, ast.ImportFrom, ast.Assign))
+        or (isinstance(node, ast.FunctionDef) and node.name == "__getattr__")
+        for node in ast.parse(source).body
     )
 
 
@@ -163,3 +171,8 @@ def test_the_check_catches_an_import_against_the_layers():
     assert violations(recorder, "import engine_stub\n") == [
         "otel_llm/recording/recorder.py:1 (recording) imports engine_stub"
     ]
+
+
+def test_a_package_module_that_runs_code_must_be_listed():
+    assert _only_documents_or_reexports('"""The package."""\nfrom otel_llm.cli.main import main\n__all__ = ["main"]\n')
+    assert not _only_documents_or_reexports("import sys\nfrom otel_llm.cli.main import main\nsys.exit(main())\n")

@@ -19,8 +19,9 @@ from opentelemetry.sdk.metrics.export import HistogramDataPoint, InMemoryMetricR
 
 import otel_llm
 from otel_llm import EngineTelemetry, EventType, RequestEvent, TelemetryConfig, setup_telemetry
-from otel_llm.config.settings import ENV_VARIABLES
+from otel_llm.config.settings import CONFIG_VARIABLES, ENTRY_POINT_VARIABLES, from_environment
 from otel_llm.export import env_checks as sdk_env
+from otel_llm.stack.ports import free_port
 from tests.support.otel_helpers import BOTH_PATHS, attrs
 
 E = EventType
@@ -172,7 +173,37 @@ BASE_ENV = {
 
 
 def test_every_variable_config_parses_has_a_bad_value_case():
-    assert {var for var, _, _ in BAD_ENV} == set(ENV_VARIABLES)
+    assert {var for var, _, _ in BAD_ENV} == set(CONFIG_VARIABLES)
+
+
+# Read by one entry point each, through otel_llm.config.settings.from_environment.
+BAD_ENTRY_POINT_ENV = [
+    ("OTEL_LLM_VLLM_METRICS", "both", ("expected one of add, replace",)),
+    ("OTEL_LLM_VLLM_DEEP_HOOK", "maybe", ("expected true/false", "or force")),
+    ("OTEL_LLM_PHOENIX", None, ()),  # any path; a missing executable is said where Phoenix starts
+]
+
+
+def test_every_entry_point_variable_has_a_bad_value_case():
+    assert {var for var, _, _ in BAD_ENTRY_POINT_ENV} == set(ENTRY_POINT_VARIABLES)
+
+
+@pytest.mark.parametrize("var,raw,words", [c for c in BAD_ENTRY_POINT_ENV if c[1] is not None])
+def test_invalid_entry_point_variable_fails_named(var, raw, words):
+    with pytest.raises(ValueError) as info:
+        from_environment(var, {var: raw})
+    _one_clear_message(info.value, var, raw, words)
+
+
+def test_the_environment_wins_over_an_entry_points_defaults_and_code_over_both():
+    defaults = {"model_name": "served-model", "provider_name": "vllm"}
+    assert TelemetryConfig.from_env({}, defaults=defaults).model_name == "served-model"
+    env = {"OTEL_LLM_MODEL_NAME": "from-env"}
+    config = TelemetryConfig.from_env(env, defaults=defaults)
+    assert (config.model_name, config.provider_name) == ("from-env", "vllm")
+    assert TelemetryConfig.from_env(env, defaults=defaults, model_name="from-code").model_name == "from-code"
+    assert from_environment("OTEL_LLM_MODEL_NAME", env) == "from-env"
+    assert from_environment("OTEL_LLM_MODEL_NAME", {"OTEL_LLM_MODEL_NAME": "  "}) is None
 
 
 @pytest.mark.parametrize(
@@ -249,12 +280,6 @@ def test_valid_sdk_variables_are_accepted(clean_env):
             setup_telemetry(TelemetryConfig(model_name="m"))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _bindable(port: int) -> bool:
     with socket.socket() as s:
         try:
@@ -274,7 +299,7 @@ def _bindable(port: int) -> bool:
 )
 def test_a_failed_setup_leaves_no_listener_behind(var, raw):
     """The Prometheus endpoint must not stay bound when a later setting fails setup."""
-    port = _free_port()
+    port = free_port()
     env = {**BASE_ENV, "OTEL_METRICS_EXPORTER": "prometheus,otlp", "OTEL_EXPORTER_PROMETHEUS_PORT": str(port), var: raw}
     with pytest.raises(ValueError):
         setup_telemetry(environ=env)

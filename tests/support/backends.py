@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import gzip
-import json
 import os
 import re
 import shutil
@@ -20,15 +19,14 @@ import tempfile
 import threading
 import time
 import urllib.error
-import urllib.parse
-import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 import pytest
 
-LOOPBACK = "127.0.0.1"
+from otel_llm.stack import prometheus as stack_prometheus
+from otel_llm.stack.ports import LOOPBACK, free_port
 
 
 class BackendUnavailable(RuntimeError):
@@ -54,13 +52,6 @@ def backend(name: str) -> Iterator[None]:
         yield
     except BackendUnavailable as exc:
         require_backend(name, str(exc))
-
-
-def free_port() -> int:
-    """A port free on 127.0.0.1 right now (the OS picks; tiny race until the user binds it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float, interval: float = 0.05, what: str = "condition") -> Any:
@@ -114,9 +105,6 @@ def _tail(path: Path, n: int = 2000) -> str:
         return ""
 
 
-# --------------------------------------------------------------------------------- Prometheus
-
-
 def _start_on_free_ports(
     launch: Callable[[], tuple[Any, Callable[[], bool], Callable[[], str]]], ready_timeout: float, what: str
 ) -> Any:
@@ -148,33 +136,27 @@ def _start_on_free_ports(
             raise BackendUnavailable(f"{exc}: {log()}") from None
 
 
+# --------------------------------------------------------------------------------- Prometheus
+
+
 def prometheus_binary() -> str | None:
     return shutil.which("prometheus") or (
         str(Path("/usr/bin/prometheus")) if Path("/usr/bin/prometheus").exists() else None
     )
 
 
-class Prometheus:
-    def __init__(self, proc: subprocess.Popen, port: int, workdir: Path) -> None:
-        self.proc = proc
-        self.port = port
-        self.workdir = workdir
-        self.url = f"http://{LOOPBACK}:{port}"
-
-    def _get(self, path: str, params: dict[str, str] | None = None, timeout: float = 5) -> Any:
-        url = self.url + path + ("?" + urllib.parse.urlencode(params) if params else "")
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
-            return json.loads(resp.read())
+class Prometheus(stack_prometheus.Prometheus):
+    """The stack's Prometheus with what tests ask of it: a PromQL error as an assertion, one value,
+    a wait for a result, the targets and the series names."""
 
     def query(self, expr: str) -> list[dict]:
         """Instant query; the ``data.result`` list. Raises on a PromQL error."""
         try:
-            body = self._get("/api/v1/query", {"query": expr})
+            return super().query(expr)
         except urllib.error.HTTPError as exc:
             raise AssertionError(f"PromQL {expr!r} failed: {exc.read().decode(errors='replace')}") from exc
-        if body.get("status") != "success":
-            raise AssertionError(f"PromQL {expr!r}: {body}")
-        return body["data"]["result"]
+        except RuntimeError as exc:  # answered, with a status other than success
+            raise AssertionError(f"PromQL {expr!r}: {exc}") from exc
 
     def value(self, expr: str) -> float | None:
         """The single value of an instant vector/scalar query, None when empty."""
@@ -201,18 +183,12 @@ class Prometheus:
 
     def targets(self) -> list[dict]:
         try:
-            return self._get("/api/v1/targets")["data"]["activeTargets"]
+            return self.get("/api/v1/targets", {})["activeTargets"]
         except Exception as exc:  # noqa: BLE001 - diagnostics only
             return [{"error": repr(exc)}]
 
     def series_names(self) -> list[str]:
-        return self._get("/api/v1/label/__name__/values")["data"]
-
-    def exemplars(self, expr: str, start: float, end: float) -> list[dict]:
-        return self._get("/api/v1/query_exemplars", {"query": expr, "start": str(start), "end": str(end)})["data"]
-
-    def log(self) -> str:
-        return _tail(self.workdir / "prometheus.log")
+        return self.get("/api/v1/label/__name__/values", {})
 
 
 @contextlib.contextmanager
@@ -224,70 +200,24 @@ def start_prometheus(
     rule_files: tuple[Path, ...] = (),
 ) -> Iterator[Prometheus]:
     """A Prometheus scraping ``scrape_targets`` (``host:port`` or metrics URLs) every interval,
-    evaluating ``rule_files`` at the same interval.
+    evaluating ``rule_files`` at the same interval: the stack's, stopped on exit.
 
     Raises BackendUnavailable when the binary is missing or it does not become ready.
     """
-    binary = prometheus_binary()
-    if binary is None:
-        raise BackendUnavailable("prometheus binary not found (apt-get install prometheus)")
-    workdir = Path(tempfile.mkdtemp(prefix="otel-llm-prom-"))
-    targets = []
-    metrics_path = "/metrics"
-    for t in scrape_targets:
-        if "://" in t:
-            parsed = urllib.parse.urlparse(t)
-            targets.append(parsed.netloc)
-            metrics_path = parsed.path or "/metrics"
-        else:
-            targets.append(t)
-    config = {
-        "global": {
-            "scrape_interval": scrape_interval,
-            "scrape_timeout": scrape_interval,
-            "evaluation_interval": scrape_interval,
-        },
-        "scrape_configs": [
-            {"job_name": "otel_llm", "metrics_path": metrics_path, "static_configs": [{"targets": targets}]},
-        ],
-        "rule_files": [str(Path(f).resolve()) for f in rule_files],
-    }
-    (workdir / "prometheus.yml").write_text(json.dumps(config, indent=2))  # JSON is YAML
-    (workdir / "data").mkdir()
-    log = open(workdir / "prometheus.log", "wb")
-
-    def launch() -> tuple[Prometheus, Callable[[], bool], Callable[[], str]]:
-        port = free_port()
-        args = [
-            binary,
-            f"--config.file={workdir / 'prometheus.yml'}",
-            f"--storage.tsdb.path={workdir / 'data'}",
-            f"--web.listen-address={LOOPBACK}:{port}",
-            "--log.level=warn",
-        ]
-        if exemplars:
-            args.append("--enable-feature=exemplar-storage")
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=workdir)
-        handle = Prometheus(proc, port, workdir)
-
-        def ready() -> bool:
-            try:
-                with urllib.request.urlopen(f"{handle.url}/-/ready", timeout=1) as resp:
-                    return resp.status == 200
-            except (urllib.error.URLError, OSError):
-                return False
-
-        return handle, ready, handle.log
-
-    handle = None
-    try:
-        handle = _start_on_free_ports(launch, ready_timeout, "prometheus /-/ready")
-        yield handle
-    finally:
-        if handle is not None:
-            _kill(handle.proc)
-        log.close()
-        shutil.rmtree(workdir, ignore_errors=True)
+    with contextlib.ExitStack() as started:
+        try:
+            server = started.enter_context(
+                stack_prometheus.start_prometheus(
+                    *scrape_targets,
+                    scrape_interval=scrape_interval,
+                    ready_timeout_s=ready_timeout,
+                    exemplars=exemplars,
+                    rule_files=rule_files,
+                )
+            )
+        except stack_prometheus.PrometheusUnavailable as exc:
+            raise BackendUnavailable(str(exc)) from None
+        yield Prometheus(server.url, server.proc, server.log_path)
 
 
 def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float:

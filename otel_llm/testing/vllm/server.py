@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,9 +26,9 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping, Optional, Sequence
 
+from otel_llm.stack.ports import LOOPBACK, free_port
 from otel_llm.testing.models import VOCAB_SIZE
 
-LOOPBACK = "127.0.0.1"
 MODEL_NAME = "tiny-llama"
 MAX_MODEL_LEN = 256  # within the tiny Llama's 512 positions
 KV_PRESSURE_ARGS = (
@@ -43,12 +42,6 @@ KV_PRESSURE_ARGS = (
     "16",
 )
 SERVER_ARGS = ("--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager", *KV_PRESSURE_ARGS)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        return int(s.getsockname()[1])
 
 
 _NO_ENV: Mapping[str, str] = MappingProxyType({})

@@ -1,0 +1,85 @@
+"""``python -m bench.vllm_frontend``: the command (and the client and counted processes it starts)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from .. import vllm_frontend
+from ..common import write_section
+from . import INSTRUCTIONS_KEY, KEY, ROOT
+from .client import client_main
+from .frontend import VARIANTS
+from .instruction_counts import count_round, instruction_table_lines, run_instructions
+from .rounds import LOADS, run, table_lines
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.vllm_frontend", description=vllm_frontend.__doc__.splitlines()[2])
+    p.add_argument(
+        "--rounds", type=int, default=20, help="interleaved rounds of every variant (default 20, at least 3)"
+    )
+    p.add_argument("--requests", type=int, default=64, help="streaming requests per load, all at once (default 64)")
+    p.add_argument("--tokens", type=int, default=96, help="output tokens per request (default 96)")
+    p.add_argument("--running", type=int, default=4, help="requests scheduled at once (default 4)")
+    p.add_argument(
+        "--loads",
+        type=int,
+        help=f"loads of --requests served one after the other per round (default {LOADS}: about 5 s, the export "
+        "interval; --instructions: 1)",
+    )
+    p.add_argument("--no-profile", action="store_true", help="skip the profile by function")
+    p.add_argument(
+        "--out", type=Path, default=ROOT / "bench" / "results.json", help="JSON to update (key vllm_frontend)"
+    )
+    p.add_argument(
+        "--instructions",
+        action="store_true",
+        help=f"instructions per output token under valgrind instead (a round per variant; key {INSTRUCTIONS_KEY})",
+    )
+    p.add_argument("--jobs", type=int, default=2, help="--instructions: rounds counted at once (default 2)")
+    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=VARIANTS, help="these only (stock always)")
+    p.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--count-round", choices=VARIANTS, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.client:
+        return client_main()
+    if args.requests < 1 or args.tokens < 3 or args.running < 1 or (args.loads is not None and args.loads < 1):
+        p.error("--requests, --running, --loads: at least 1; --tokens: at least 3")
+    if args.count_round:
+        asyncio.run(count_round(args.count_round, args.requests, args.tokens, args.running, args.loads or 1))
+        return 0
+    if args.instructions:
+        if args.jobs < 1:
+            p.error("--jobs: at least 1")
+        return write_section(
+            INSTRUCTIONS_KEY,
+            args.out,
+            lambda: run_instructions(
+                args.requests, args.tokens, args.running, args.loads or 1, args.jobs, args.variants
+            ),
+            instruction_table_lines,
+        )
+    if args.rounds < 3:
+        p.error("--rounds: at least 3")
+    return write_section(
+        KEY,
+        args.out,
+        lambda: run(
+            args.rounds,
+            args.requests,
+            args.tokens,
+            args.running,
+            args.loads or LOADS,
+            args.variants,
+            not args.no_profile,
+        ),
+        table_lines,
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
