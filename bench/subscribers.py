@@ -137,7 +137,7 @@ class PrometheusClientSubscriber:
     def request_scheduled(self, req: RequestState, ts: float, resumed: bool) -> None:
         pass
 
-    def request_preempted(self, req: RequestState, event: RequestEvent) -> None:
+    def request_preempted(self, req: RequestState, event: RequestEvent, kind: str, causes: Any) -> None:
         self.c_preemptions.inc()
         self._child(self._by_reason, "num_preemptions_by_reason", event.reason).inc()
         self.c_recomputed.inc(event.num_computed_tokens)

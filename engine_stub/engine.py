@@ -173,8 +173,9 @@ class Engine:
                     now,
                     num_computed_tokens=lost,
                     reason=PREEMPTION_REASON,
+                    causes=(cause.request_id,),
                 )
-                for request, lost in sched.preempted
+                for request, lost, cause in sched.preempted
             )
             events.extend(RequestEvent(EventType.SCHEDULED, request.request_id, now) for request in sched.started)
 
@@ -294,4 +295,6 @@ class Engine:
             token_ids=request.output_token_ids,
             finish_reason=request.finish_reason,
             num_preemptions=request.num_preemptions,
+            preempted_by=tuple(request.preempted_by),
+            num_preemptions_caused=request.num_preemptions_caused,
         )

@@ -33,6 +33,10 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose keys/values are in the cache
     block_table: list[int] = field(default_factory=list)
     num_preemptions: int = 0
+    # The engine's own record of why: the request whose block allocation each preemption served
+    # (its own id when it preempted itself), and the preemptions this one's allocations caused.
+    preempted_by: list[str] = field(default_factory=list)
+    num_preemptions_caused: int = 0
     finish_reason: Optional[str] = None
 
     def __post_init__(self) -> None:
@@ -58,6 +62,8 @@ class RequestOutput:
     token_ids: list[int]  # output tokens, a stop token included
     finish_reason: str  # "stop", "length" or "abort"
     num_preemptions: int  # the engine's ground truth
+    preempted_by: tuple[str, ...] = ()  # the cause of each preemption, in order (ground truth)
+    num_preemptions_caused: int = 0  # preemptions its block allocations caused (ground truth)
 
     @property
     def text(self) -> str:

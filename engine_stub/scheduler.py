@@ -13,7 +13,8 @@ from .request import Request, RequestStatus
 class SchedulerOutput:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens)
     started: list[Request] = field(default_factory=list)  # moved from waiting to running
-    preempted: list[tuple[Request, int]] = field(default_factory=list)  # (request, tokens lost)
+    # (request, tokens lost, the request whose allocation it served: the victim itself, last)
+    preempted: list[tuple[Request, int, Request]] = field(default_factory=list)
     num_batched_tokens: int = 0
 
 
@@ -25,7 +26,8 @@ class Scheduler:
     running request needs a block and none is free, the most recently scheduled running request
     is preempted (recompute: its blocks and computed tokens are dropped, its output is kept and it
     goes to the front of the waiting queue), until the allocation fits or the request has
-    preempted itself. No waiting request is admitted in a step that preempted.
+    preempted itself. The cause of each preemption is the request being allocated. No waiting
+    request is admitted in a step that preempted.
     """
 
     def __init__(self, kv_cache: KVCache, max_num_seqs: int, max_num_batched_tokens: int) -> None:
@@ -53,7 +55,7 @@ class Scheduler:
             target = request.num_computed_tokens + num_new
             while not self.kv_cache.allocate(request.block_table, target):
                 victim = self.running.pop()
-                out.preempted.append((victim, self._preempt(victim)))
+                out.preempted.append((victim, self._preempt(victim, request), request))
                 if victim is request:
                     break
             if request.status is not RequestStatus.RUNNING:
@@ -78,7 +80,9 @@ class Scheduler:
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         return out
 
-    def _preempt(self, request: Request) -> int:
+    def _preempt(self, request: Request, cause: Request) -> int:
+        request.preempted_by.append(cause.request_id)
+        cause.num_preemptions_caused += 1
         lost = request.num_computed_tokens
         self.kv_cache.free(request.block_table)
         request.num_computed_tokens = 0

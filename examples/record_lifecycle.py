@@ -30,7 +30,8 @@ telemetry.on_events(
         RequestEvent(E.ARRIVED, "req-1", t, prompt_tokens=12, max_tokens=32),
         RequestEvent(E.QUEUED, "req-1", t),
         RequestEvent(E.SCHEDULED, "req-1", t + 0.01),
-        RequestEvent(E.PREEMPTED, "req-1", t + 0.05, num_computed_tokens=12, reason="kv_cache_full"),
+        # Its own growth needed the blocks it held: it is its own cause.
+        RequestEvent(E.PREEMPTED, "req-1", t + 0.05, num_computed_tokens=12, reason="kv_cache_full", causes=("req-1",)),
         RequestEvent(E.SCHEDULED, "req-1", t + 0.30),
         RequestEvent(E.FIRST_TOKEN, "req-1", t + 0.35),
         RequestEvent(E.TOKENS, "req-1", t + 0.35, num_tokens=1),

@@ -11,7 +11,24 @@ import enum
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-__all__ = ["EventType", "RequestEvent", "StepStats"]
+__all__ = [
+    "EventType",
+    "RequestEvent",
+    "StepStats",
+    "CAUSE_REQUEST",
+    "CAUSE_SELF",
+    "CAUSE_UNKNOWN",
+    "CAUSE_CACHE_RESET",
+]
+
+# Why a request was preempted (the kind of its cause): the KV demand of other requests, its own
+# (the last one running), something that is no request (an engine's cache reset), or unknown
+# (the engine cannot say). Engines give the request ids of the causes (``RequestEvent.causes``)
+# or, where no request is the cause, a kind (``cause_kind``); the telemetry tells the rest.
+CAUSE_REQUEST = "request"
+CAUSE_SELF = "self"
+CAUSE_UNKNOWN = "unknown"
+CAUSE_CACHE_RESET = "cache_reset"
 
 
 class EventType(enum.Enum):
@@ -47,6 +64,10 @@ class RequestEvent:
     num_tokens: int = 0  # TOKENS: new output tokens this step
     num_computed_tokens: int = 0  # PREEMPTED: computed tokens thrown away
     reason: str = ""  # PREEMPTED, e.g. "kv_cache_full"
+    # PREEMPTED: the requests whose KV demand the preemption served (the request's own id when it
+    # was its own cause); none: ``cause_kind`` says why (e.g. CAUSE_CACHE_RESET), else unknown.
+    causes: tuple[str, ...] = ()
+    cause_kind: str = ""
     finish_reason: str = ""  # FINISHED: stop, length, abort, error
     num_cached_tokens: int = 0  # prefix-cache hits, where the engine knows them
     trace_context: Optional[Mapping[str, str]] = None  # ARRIVED: W3C traceparent/tracestate carrier

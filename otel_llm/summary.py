@@ -13,13 +13,27 @@ ENGINE_DEAD = "engine_dead"  # the engine (core) died with the request in flight
 
 
 @dataclass(frozen=True)
+class PreemptionCause:
+    """The cause of one preemption: its kind (``otel_llm.events.CAUSE_*``) and, for ``request``
+    and ``self``, the ids of the requests whose KV demand it served."""
+
+    kind: str
+    request_ids: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class RequestSummary:
     """Everything derived for one finished request. Times: engine monotonic seconds.
 
     ``None`` means unknown (e.g. a request aborted before it was scheduled has no queue time);
     unknown values are not observed. ``preemptions`` lists (timestamp, num_computed_tokens,
-    reason) where the source knows them. ``incomplete`` says why a request that did not run to
-    its end was cut short (``"shutdown"``, ``"engine_dead"``), ``error_type`` what failed it.
+    reason) where the source knows them, and ``preemption_causes`` their causes in the same
+    order (missing ones are unknown), for a source that does not report them as events.
+    ``preemptions_by_cause``: the request's preemptions by cause kind, as (kind, count) pairs
+    (what they leave out is unknown); ``num_preemptions_caused``: the preemptions, of any
+    request, itself included, that this request's KV demand caused. ``incomplete`` says why a
+    request that did not run to its end was cut short (``"shutdown"``, ``"engine_dead"``),
+    ``error_type`` what failed it.
     """
 
     request_id: str
@@ -40,6 +54,9 @@ class RequestSummary:
     recomputed_tokens: int = 0
     cached_tokens: int = 0
     preemptions: tuple[tuple[float, int, str], ...] = ()
+    preemption_causes: tuple[PreemptionCause, ...] = ()
+    preemptions_by_cause: tuple[tuple[str, int], ...] = ()
+    num_preemptions_caused: int = 0
     incomplete: Optional[str] = None
     error_type: Optional[str] = None
 

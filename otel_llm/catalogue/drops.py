@@ -14,6 +14,7 @@ INVALID_VALUE = "invalid_value"
 INVALID_TRANSITION = "invalid_transition"
 UNKNOWN_EVENT_TYPE = "unknown_event_type"
 EVICTED = "evicted"  # a whole request, pushed out by the in-flight cap
+UNKNOWN_CAUSE = "unknown_cause"  # a preemption's cause names a request never seen (or long forgotten): no link
 INTERNAL_ERROR = "internal_error"
 # What the export path lost, counted in items by otel_llm.export.accounting.
 SPANS_QUEUE_FULL = "spans_queue_full"  # BatchSpanProcessor queue full (collector slow or down)
@@ -37,6 +38,7 @@ DROP_REASONS = (
     INVALID_TRANSITION,
     UNKNOWN_EVENT_TYPE,
     EVICTED,
+    UNKNOWN_CAUSE,
     INTERNAL_ERROR,
     SPANS_QUEUE_FULL,
     SPANS_AFTER_SHUTDOWN,

@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterator, Optional
 
 from otel_llm.config import buckets
 from otel_llm.config.settings import TelemetryConfig
+from otel_llm.events import CAUSE_UNKNOWN
 
 SCOPE = "otel_llm"
 
@@ -26,7 +27,7 @@ class MetricDef:
     meaning: str
     buckets: Optional[Callable[[TelemetryConfig], tuple[float, ...]]] = None
     semconv_buckets: Optional[tuple[float, ...]] = None  # where the GenAI conventions advise others
-    label: Optional[str] = None  # extra label: "finished_reason", "reason" or "drop_reason" (see label_key)
+    label: Optional[str] = None  # extra label: "finished_reason", "reason", "cause" or "drop_reason" (label_key)
     error_type: bool = False  # semconv: a failed request's observation carries error.type
     explicit_only: bool = False  # explicit buckets even when histograms go out exponential: they are the point
     # Where the recorders take the value from (routing, declared here rather than in each recorder):
@@ -81,6 +82,18 @@ METRICS: tuple[MetricDef, ...] = (
         summary_field="num_preemptions",
     ),
     MetricDef(
+        "request_num_preemptions_caused",
+        "histogram",
+        "{preemption}",
+        "vllm:request_num_preemptions_caused",
+        "llm.server.request.num_preemptions_caused",
+        "Preemptions a finished request's KV demand caused (of other requests or itself), zero "
+        "included (le=0.5: evicted nobody).",
+        buckets=lambda c: c.preemption_buckets,
+        explicit_only=True,
+        summary_field="num_preemptions_caused",
+    ),
+    MetricDef(
         "num_preemptions",
         "counter",
         "{preemption}",
@@ -96,6 +109,16 @@ METRICS: tuple[MetricDef, ...] = (
         "llm.server.preemptions.by_reason",
         "Preemptions by reason (e.g. kv_cache_full).",
         label="reason",
+    ),
+    MetricDef(
+        "num_preemptions_by_cause",
+        "counter",
+        "{preemption}",
+        "vllm:num_preemptions_by_cause",
+        "llm.server.preemptions.by_cause",
+        "Preemptions of finished requests by cause: request (another request's KV demand), self, "
+        "cache_reset, unknown (counted when the preempted request finishes).",
+        label="cause",
     ),
     MetricDef(
         "num_recomputed_tokens",
@@ -310,6 +333,18 @@ STEP_GAUGES = tuple((m.key, m.step_field) for m in METRICS if m.step_field and m
 STEP_HISTOGRAMS = tuple((m.key, m.step_field) for m in METRICS if m.step_field and m.kind == "histogram")
 
 
+def preemptions_by_cause(summary: Any) -> Iterator[tuple[str, int]]:
+    """(cause kind, preemptions) of a finished request (a RequestSummary): what its source
+    attributed, and the rest as unknown."""
+    attributed = 0
+    for kind, n in summary.preemptions_by_cause:
+        if n > 0:
+            attributed += n
+            yield kind, n
+    if summary.num_preemptions > attributed:
+        yield CAUSE_UNKNOWN, summary.num_preemptions - attributed
+
+
 def finish_values(summary: Any) -> Iterator[tuple[str, float]]:
     """(metric key, value) of each observation a finished request makes (a RequestSummary)."""
     for key, field, observed_if in FINISH_OBSERVATIONS:
@@ -326,6 +361,7 @@ _LABEL_KEYS = {
         "engine": "engine",
         "finished_reason": "finished_reason",
         "reason": "reason",
+        "cause": "cause",
         "drop_reason": "reason",
     },
     "semconv": {
@@ -333,6 +369,7 @@ _LABEL_KEYS = {
         "engine": "llm.engine",
         "finished_reason": "gen_ai.response.finish_reason",
         "reason": "llm.preemption.reason",
+        "cause": "llm.preemption.cause",
         "drop_reason": "reason",
     },
 }

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Optional
+from collections import OrderedDict
+from typing import Any, Iterable, Optional
 
 from opentelemetry.context import Context
 
 from otel_llm.catalogue import drops
 from otel_llm.core.tracker import RequestState
-from otel_llm.events import RequestEvent
+from otel_llm.events import CAUSE_UNKNOWN, RequestEvent
 from otel_llm.recording.recorder import Recorder
 from otel_llm.summary import RequestSummary
 from otel_llm.tracing.log_events import LogEvents
@@ -22,6 +23,10 @@ from otel_llm.tracing.spans import RequestSpans
 
 _log = logging.getLogger(__name__)
 EMPTY_CONTEXT = Context()  # records with no request span must not pick up an unrelated current span
+# Span contexts kept for links: of finished requests that caused preemptions, and of spans opened
+# before their request finished (a cause an engine reports by summary); the oldest go beyond.
+MAX_LINK_TARGETS = 16_384
+LINK_ORDINAL = "llm.preemption.ordinal"  # a preemption link's attribute: the victim's preemption
 
 
 class DropLog:
@@ -76,6 +81,9 @@ class RequestSink:
         # Exemplar of an observation with no request span: always_on keeps one without trace ids.
         self.spanless_exemplar = spanless_exemplar
         self._drops = DropLog()
+        # Link targets by request id: finished causes' span contexts; spans opened ahead (reserve).
+        self._finished_causes: OrderedDict[str, Any] = OrderedDict()
+        self._reserved: OrderedDict[str, tuple[Any, Any, Any]] = OrderedDict()
 
     def request_arrived(self, req: RequestState, event: RequestEvent) -> None:
         attributes = {}
@@ -89,9 +97,32 @@ class RequestSink:
         if resumed and req.span is not None:
             self.spans.event(req.span, "resumed", ts, {"ordinal": req.num_preemptions})  # type: ignore[union-attr]  # a req.span implies self.spans
 
-    def request_preempted(self, req: RequestState, event: RequestEvent) -> None:
+    def request_preempted(
+        self, req: RequestState, event: RequestEvent, kind: str, causes: list[tuple[str, Optional[RequestState]]]
+    ) -> None:
         self.metrics.preempted(event.reason, event.num_computed_tokens)
-        self.preemption_event(req, req.num_preemptions, event.timestamp, event.num_computed_tokens, event.reason)
+        ids = tuple(cause_id for cause_id, _ in causes)
+        targets = []
+        if req.span is not None and self.spans is not None:
+            for cause_id, cause in causes:
+                if cause_id == req.request_id:
+                    continue  # its own cause: the event says so, no link to itself
+                if cause is not None:
+                    if cause.span is not None:
+                        targets.append(self.spans.context(cause.span))
+                else:
+                    targets.append(self._finished_target(cause_id, event))
+        self._preemption_event(
+            req.request_id,
+            req.span,
+            req.num_preemptions,
+            event.timestamp,
+            event.num_computed_tokens,
+            event.reason,
+            kind,
+            ids,
+            targets,
+        )
 
     def first_token(self, req: RequestState, ts: float) -> None:
         self.metrics.ttft(ts - req.arrival, req.exemplar, req.ctx)
@@ -116,28 +147,51 @@ class RequestSink:
         self.metrics.dropped(reason)
         self._drops.note(reason, event)
 
-    def preemption_event(
-        self, req: RequestState, ordinal: int, ts: float, num_computed_tokens: int, reason: str
-    ) -> None:
-        self._preemption_event(req.request_id, req.span, ordinal, ts, num_computed_tokens, reason)
+    def _finished_target(self, cause_id: str, event: Any) -> Any:
+        """The span context of a cause no longer in flight: a finished request's, or one opened
+        ahead; None (counted) for a request id never seen or long forgotten."""
+        target = self._finished_causes.get(cause_id)
+        if target is None:
+            reserved = self._reserved.get(cause_id)
+            if reserved is not None:
+                target = self.spans.context(reserved[0])  # type: ignore[union-attr]  # reserved implies spans
+        if target is None:
+            self.dropped(drops.UNKNOWN_CAUSE, event)
+        return target
 
     def _preemption_event(
-        self, request_id: str, span: Any, ordinal: int, ts: float, num_computed_tokens: int, reason: str
+        self,
+        request_id: str,
+        span: Any,
+        ordinal: int,
+        ts: float,
+        num_computed_tokens: int,
+        reason: str,
+        kind: str,
+        cause_ids: tuple[str, ...],
+        targets: Iterable[Any],
     ) -> None:
-        """The one place a preemption becomes an event: span event and/or log record, per config."""
-        if span is not None and self._span_events:
-            self.spans.event(  # type: ignore[union-attr]  # a span implies self.spans
-                span,
-                "preempted",
-                ts,
-                {
+        """The one place a preemption becomes an event: span event and/or log record, per
+        config, naming its cause; and a link from the span to each cause's span that is recorded
+        (a cause sampled out has no trace to go to)."""
+        if span is not None:
+            spans = self.spans
+            assert spans is not None  # a span implies spans
+            if self._span_events:
+                attributes: dict[str, Any] = {
                     "ordinal": ordinal,
                     "num_computed_tokens": num_computed_tokens,
                     "reason": reason,
-                },
-            )
+                    "cause": kind,
+                }
+                if cause_ids:
+                    attributes["cause_request_ids"] = cause_ids
+                spans.event(span, "preempted", ts, attributes)
+            for target in targets:
+                if target is not None and target.is_valid and target.trace_flags.sampled:
+                    spans.link(span, target, {LINK_ORDINAL: ordinal})
         if self.log_events is not None:
-            self.log_events.preempted(request_id, span, ordinal, ts, num_computed_tokens, reason)
+            self.log_events.preempted(request_id, span, ordinal, ts, num_computed_tokens, reason, kind, cause_ids)
 
     def start_span(self, req: RequestState, carrier: Any, attributes: dict[str, Any]) -> None:
         req.span, req.exemplar, req.ctx = self._open_span(
@@ -171,20 +225,45 @@ class RequestSink:
         if metrics:
             self.metrics.finished(summary, exemplar, ctx)
         if span is not None:
-            self.spans.end(span, summary, extra)  # type: ignore[union-attr]  # a span implies self.spans
+            spans = self.spans
+            assert spans is not None  # a span implies spans
+            if summary.num_preemptions_caused:  # a link target of the requests it preempted
+                _bounded_put(self._finished_causes, summary.request_id, spans.context(span))
+            spans.end(span, summary, extra)
 
     def summary_finished(self, summary: RequestSummary, carrier: Any, metrics: bool, span: bool = True) -> None:
         """A request known only by its summary: its span (from arrival to finish, with the
         preemptions the summary lists) unless ``span`` is False, and, unless ``metrics`` is
         False, its observations."""
         if not span:
+            self._reserved.pop(summary.request_id, None)
             if metrics:
                 self.metrics.finished(summary, self.spanless_exemplar, EMPTY_CONTEXT)
             return
-        span, exemplar, ctx = self._open_span(summary.request_id, summary.arrival_time, summary.max_tokens, carrier, {})
+        rid = summary.request_id
+        opened = self._reserved.pop(rid, None)
+        if opened is None:
+            opened = self._open_span(rid, summary.arrival_time, summary.max_tokens, carrier, {})
+        span, exemplar, ctx = opened
+        causes = summary.preemption_causes
         for ordinal, (ts, tokens, reason) in enumerate(summary.preemptions, 1):
-            self._preemption_event(summary.request_id, span, ordinal, ts, tokens, reason)
+            cause = causes[ordinal - 1] if ordinal <= len(causes) else None
+            ids = cause.request_ids if cause is not None else ()
+            targets = [self._finished_target(c, summary) for c in ids if c != rid] if span is not None else []
+            kind = cause.kind if cause is not None else CAUSE_UNKNOWN
+            self._preemption_event(rid, span, ordinal, ts, tokens, reason, kind, ids, targets)
         self._finish(span, exemplar, ctx, summary, None, metrics)
+
+    def reserve_span(self, request_id: str, arrival: float, carrier: Any) -> None:
+        """Open the span of a request known by its summary at its finish only, now: a request
+        that finishes later can link to it (the span is used, ended, when its summary comes)."""
+        if request_id in self._reserved or request_id in self._finished_causes:
+            return
+        _bounded_put(self._reserved, request_id, self._open_span(request_id, arrival, 0, carrier, {}))
+
+    def forget_reserved(self) -> None:
+        """At shutdown: the spans opened ahead whose request never finished are left unended."""
+        self._reserved.clear()
 
     def internal_error(self, event: Any) -> None:
         try:
@@ -192,3 +271,10 @@ class RequestSink:
             self._drops.note(drops.INTERNAL_ERROR, event, exc_info=True)
         except Exception:  # noqa: BLE001 - the last line of defence
             pass
+
+
+def _bounded_put(kept: OrderedDict[str, Any], key: str, value: Any) -> None:
+    kept[key] = value
+    kept.move_to_end(key)
+    if len(kept) > MAX_LINK_TARGETS:
+        kept.popitem(last=False)

@@ -227,6 +227,16 @@ class EngineTelemetry:
         except Exception:  # noqa: BLE001 - never into the engine
             self._sink.internal_error(summary)
 
+    def reserve_span(self, request_id: str, arrival_time: float, trace_context: Optional[Any] = None) -> None:
+        """Decide now the span of a request that ``record_finished`` will report at its finish:
+        another request's span can then link to it before it finishes (the cause of a
+        preemption). ``arrival_time``: engine monotonic seconds, the span's start."""
+        try:
+            with self.metrics.lock:
+                self._sink.reserve_span(request_id, arrival_time, trace_context)
+        except Exception:  # noqa: BLE001 - never into the engine
+            self._sink.internal_error(None)
+
     def record_iteration(
         self,
         *,
@@ -268,6 +278,7 @@ class EngineTelemetry:
             for req in self.tracker.drain():
                 if req.span is not None:
                     self.spans.abandon(req.span, None, SHUTDOWN)  # type: ignore[union-attr]  # a req.span implies self.spans
+            self._sink.forget_reserved()
             self._sink.spans = None
 
 

@@ -17,7 +17,7 @@ from collections import OrderedDict
 from typing import Any, Callable, Optional, Protocol
 
 from otel_llm.catalogue import drops
-from otel_llm.events import EventType, RequestEvent
+from otel_llm.events import CAUSE_REQUEST, CAUSE_SELF, CAUSE_UNKNOWN, EventType, RequestEvent
 from otel_llm.summary import RequestSummary
 
 MAX_ID_LENGTH = 256  # longer request ids are rejected: ids go into span attributes
@@ -50,6 +50,8 @@ class RequestState:
         "max_tokens",
         "generation_tokens",
         "cached_tokens",
+        "num_caused",
+        "by_cause",
         "span",
         "exemplar",
         "ctx",
@@ -72,6 +74,8 @@ class RequestState:
         self.max_tokens = max_tokens
         self.generation_tokens = 0
         self.cached_tokens = cached_tokens
+        self.num_caused = 0  # preemptions its KV demand caused (itself included)
+        self.by_cause: dict[str, int] = {}  # its own preemptions by cause kind
         self.span: Any = None  # set by the sink: the request span, exemplar ids, context
         self.exemplar: Any = None
         self.ctx: Any = None
@@ -102,13 +106,18 @@ def summarize(req: RequestState, ts: float, finish_reason: str) -> RequestSummar
         preempted_time=req.preempted_time,
         recomputed_tokens=req.recomputed_tokens,
         cached_tokens=req.cached_tokens,
+        preemptions_by_cause=tuple(req.by_cause.items()),
+        num_preemptions_caused=req.num_caused,
     )
 
 
 class TrackerSink(Protocol):
     def request_arrived(self, req: RequestState, event: RequestEvent) -> None: ...
     def request_scheduled(self, req: RequestState, ts: float, resumed: bool) -> None: ...
-    def request_preempted(self, req: RequestState, event: RequestEvent) -> None: ...
+    # ``kind``: the cause's kind; ``causes``: (id, its state when in flight) of each cause named.
+    def request_preempted(
+        self, req: RequestState, event: RequestEvent, kind: str, causes: list[tuple[str, Optional[RequestState]]]
+    ) -> None: ...
     def first_token(self, req: RequestState, ts: float) -> None: ...
     # New output tokens of a request (its exemplar ids and context as set by the sink at arrival).
     def tokens(self, n: int, itl: Optional[float], exemplar: Any, ctx: Any) -> None: ...
@@ -242,14 +251,33 @@ class Tracker:
         if not req.running:
             self.sink.dropped(drops.INVALID_TRANSITION, event)
             return
-        if not is_count(event.num_computed_tokens) or type(event.reason) is not str:
+        ids = event.causes
+        if (
+            not is_count(event.num_computed_tokens)
+            or type(event.reason) is not str
+            or type(event.cause_kind) is not str
+            or type(ids) not in (tuple, list)
+            or not all(type(c) is str and len(c) <= MAX_ID_LENGTH for c in ids)
+        ):
             self.sink.dropped(drops.INVALID_VALUE, event)
             return
         req.last_ts = req.preempted_at = event.timestamp
         req.running = False
         req.num_preemptions += 1
         req.recomputed_tokens += event.num_computed_tokens
-        self.sink.request_preempted(req, event)
+        causes: list[tuple[str, Optional[RequestState]]] = []
+        own = req.request_id
+        for cause_id in dict.fromkeys(ids):  # each cause once, in the order given
+            cause = self.inflight.get(cause_id)
+            if cause is not None:
+                cause.num_caused += 1
+            causes.append((cause_id, cause))
+        if causes:
+            kind = CAUSE_SELF if len(causes) == 1 and causes[0][0] == own else CAUSE_REQUEST
+        else:
+            kind = event.cause_kind or CAUSE_UNKNOWN
+        req.by_cause[kind] = req.by_cause.get(kind, 0) + 1
+        self.sink.request_preempted(req, event, kind, causes)
 
     def _first_token(self, event: RequestEvent, req: RequestState) -> None:
         if req.first_token is not None:

@@ -25,6 +25,7 @@ from otel_llm.catalogue.metrics import (
     base_attributes,
     error_attributes,
     label_key,
+    preemptions_by_cause,
 )
 from otel_llm.config.labels import LabelLimiter
 from otel_llm.config.settings import TelemetryConfig
@@ -175,6 +176,7 @@ class InProcessRecorder:
         self.attributes = base_attributes(config)
         self._limit_reason = LabelLimiter(config.max_label_values)
         self._limit_finish = LabelLimiter(config.max_label_values)
+        self._limit_cause = LabelLimiter(config.max_label_values)
         self.gauges: dict[str, float] = {}
         self._gauge_source: Optional[GaugeSource] = None
         # Counters by metric key: unlabelled ones are an int, labelled ones an int per label value.
@@ -183,6 +185,7 @@ class InProcessRecorder:
         self._label_keys = {key: label_key(config, BY_KEY[key].label or "") for key in self.labelled}
         self.by_reason = self.labelled["num_preemptions_by_reason"]
         self.by_finish = self.labelled["request_success"]
+        self.by_cause = self.labelled["num_preemptions_by_cause"]
         # Every reason exported from the start at 0: Prometheus' increase() misses a counter
         # series whose first sample is already 1.
         self.drops = self.labelled["dropped_events"]
@@ -257,6 +260,11 @@ class InProcessRecorder:
         finish_reason = summary.finish_reason
         reason = self._limit_finish(finish_reason)
         self.by_finish[reason] = self.by_finish.get(reason, 0) + 1
+        if summary.num_preemptions:
+            by_cause = self.by_cause
+            for kind, n in preemptions_by_cause(summary):
+                kind = self._limit_cause(kind)
+                by_cause[kind] = by_cause.get(kind, 0) + n
         for cell, field, observed_if in self.error_finish_cells if finish_reason == "error" else self.finish_cells:
             if observed_if is not None and not getattr(summary, observed_if):
                 continue

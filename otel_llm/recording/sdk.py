@@ -20,6 +20,7 @@ from otel_llm.catalogue.metrics import (
     error_attributes,
     finish_values,
     label_key,
+    preemptions_by_cause,
 )
 from otel_llm.config.labels import LabelLimiter
 from otel_llm.config.settings import TelemetryConfig
@@ -54,10 +55,12 @@ class SdkRecorder:
         self.attributes = base_attributes(config)
         self._error_attributes = error_attributes(config)
         self._reason_key = label_key(config, "reason")
+        self._cause_key = label_key(config, "cause")
         self._finish_key = label_key(config, "finished_reason")
         self._drop_key = label_key(config, "drop_reason")
         self._limit_reason = LabelLimiter(config.max_label_values)
         self._limit_finish = LabelLimiter(config.max_label_values)
+        self._limit_cause = LabelLimiter(config.max_label_values)
         self.i: dict[str, Any] = {}
         for m in METRICS:
             name = m.instrument_name(config.naming)
@@ -97,6 +100,8 @@ class SdkRecorder:
         errors = self._error_attributes if summary.finish_reason == "error" else None
         for key, value in finish_values(summary):
             i[key].record(value, errors if errors and BY_KEY[key].error_type else attrs, context=ctx)
+        for kind, n in preemptions_by_cause(summary):
+            i["num_preemptions_by_cause"].add(n, {**attrs, self._cause_key: self._limit_cause(kind)})
 
     def step(self, stats: StepStats) -> None:
         i, attrs = self.i, self.attributes

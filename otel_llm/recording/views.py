@@ -20,12 +20,13 @@ def views(config: Optional[TelemetryConfig] = None) -> list[View]:
     Pass them when you build your own MeterProvider: ``MeterProvider(views=otel_llm.views(config))``.
     """
     config = config or TelemetryConfig()
-    allowed = {m.key for m in METRICS if m.kind == "histogram"} - {"request_num_preemptions"}
+    by_preemptions = {"request_num_preemptions", "request_num_preemptions_caused"}
+    allowed = {m.key for m in METRICS if m.kind == "histogram"} - by_preemptions
     unknown = sorted(set(config.histogram_buckets) - allowed)
     if unknown:
         raise ValueError(
             f"histogram_buckets: {unknown} are not histogram keys of otel_llm.catalogue.metrics.METRICS "
-            "(request_num_preemptions has preemption_buckets)"
+            "(request_num_preemptions and request_num_preemptions_caused have preemption_buckets)"
         )
     out = []
     for m in METRICS:

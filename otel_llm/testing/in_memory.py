@@ -19,6 +19,7 @@ from opentelemetry.sdk.metrics.export import AggregationTemporality, InMemoryMet
 from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.sampling import Sampler
 
 from otel_llm.config.settings import TelemetryConfig
 from otel_llm.core.telemetry import EngineTelemetry
@@ -132,14 +133,15 @@ def in_memory_telemetry(
     *,
     delta: bool = False,
     span_limits: Optional[SpanLimits] = None,
+    sampler: Optional[Sampler] = None,
     metric_path: str = "auto",
     span_path: str = "auto",
     with_views: bool = True,
 ) -> InMemoryTelemetry:
     """An EngineTelemetry for ``config`` (default ``TelemetryConfig(model_name="tiny")``) on new
     in-memory providers: a MeterProvider with an InMemoryMetricReader (cumulative, or ``delta``
-    temporality) and ``otel_llm.views(config)``; a TracerProvider (``span_limits``, else the SDK's)
-    with an InMemorySpanExporter; when ``config.preemption_events`` is "log" or "both", a
+    temporality) and ``otel_llm.views(config)``; a TracerProvider (``span_limits`` and ``sampler``, else the
+    SDK's) with an InMemorySpanExporter; when ``config.preemption_events`` is "log" or "both", a
     LoggerProvider with an in-memory log exporter. ``metric_path``/``span_path`` are
     EngineTelemetry's; ``with_views=False`` builds the MeterProvider without the Views (what a
     user who forgets them gets: SDK names and buckets, one warning)."""
@@ -148,7 +150,7 @@ def in_memory_telemetry(
     reader = InMemoryMetricReader(preferred_temporality={kind: temporality for kind in _INSTRUMENTS})
     meter_provider = MeterProvider(metric_readers=[reader], views=views(config) if with_views else ())
     span_exporter = InMemorySpanExporter()
-    tracer_provider = TracerProvider(span_limits=span_limits)
+    tracer_provider = TracerProvider(span_limits=span_limits, sampler=sampler)
     tracer_provider.add_span_processor(SimpleSpanProcessor(span_exporter))
     logger_provider, log_exporter = _in_memory_logs() if config.log_events else (None, None)
     telemetry = EngineTelemetry(

@@ -33,7 +33,15 @@ class LogEvents:
         self.wall_ns = spans.wall_ns if spans is not None else (lambda ts: int(ts * 1e9) + offset_ns)
 
     def preempted(
-        self, request_id: str, span: Any, ordinal: int, ts: float, num_computed_tokens: int, reason: str
+        self,
+        request_id: str,
+        span: Any,
+        ordinal: int,
+        ts: float,
+        num_computed_tokens: int,
+        reason: str,
+        cause: str,
+        cause_ids: tuple[str, ...],
     ) -> None:
         if not self.supported:
             return
@@ -42,14 +50,18 @@ class LogEvents:
             if span is not None and self._spans is not None
             else Context()
         )
+        attributes: dict[str, Any] = {
+            "gen_ai.request.id": request_id,
+            "llm.preemption.ordinal": ordinal,
+            "llm.preemption.num_computed_tokens": num_computed_tokens,
+            "llm.preemption.reason": reason,
+            "llm.preemption.cause": cause,
+        }
+        if cause_ids:
+            attributes["llm.preemption.cause_request_ids"] = cause_ids
         self.logger.emit(
             timestamp=self.wall_ns(ts),
             context=context,
             event_name=PREEMPTED_EVENT,
-            attributes={
-                "gen_ai.request.id": request_id,
-                "llm.preemption.ordinal": ordinal,
-                "llm.preemption.num_computed_tokens": num_computed_tokens,
-                "llm.preemption.reason": reason,
-            },
+            attributes=attributes,
         )

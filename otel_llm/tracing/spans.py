@@ -58,7 +58,10 @@ _UNSET = Status(StatusCode.UNSET)
 
 # Attributes a request span gets after its start: the end ones (error.type included), the
 # completion, the incomplete mark.
-_MAX_LATER_ATTRIBUTES = 17
+_MAX_LATER_ATTRIBUTES = 19
+# A span attribute with the links the span's limit dropped (OTLP's dropped_links_count says it too,
+# where the back end shows it).
+LINKS_DROPPED = "llm.request.preemption_links_dropped"
 
 
 def request_spans(
@@ -128,6 +131,13 @@ class RequestSpans:
     def event(self, span: Any, name: str, ts: float, attributes: Mapping[str, Any]) -> None:
         span.add_event(name, attributes, timestamp=self.wall_ns(ts))
 
+    def context(self, span: Any) -> SpanContext:
+        """The span's context, a link's target."""
+        return self._api_span(span).get_span_context()
+
+    def link(self, span: Any, target: SpanContext, attributes: Mapping[str, Any]) -> None:
+        span.add_link(target, attributes)
+
     @staticmethod
     def _end_attributes(summary: RequestSummary, extra: Optional[Mapping[str, Any]]) -> dict[str, Any]:
         attributes: dict[str, Any] = {
@@ -135,6 +145,7 @@ class RequestSpans:
             "gen_ai.usage.output_tokens": summary.generation_tokens,
             "gen_ai.response.finish_reasons": (summary.finish_reason,),
             "llm.request.num_preemptions": summary.num_preemptions,
+            "llm.request.num_preemptions_caused": summary.num_preemptions_caused,
             "llm.request.recomputed_tokens": summary.recomputed_tokens,
             "llm.request.e2e_latency": summary.e2e,
         }
@@ -173,7 +184,11 @@ class RequestSpans:
 
     def end(self, span: Any, summary: RequestSummary, extra: Optional[Mapping[str, Any]] = None) -> None:
         # Attributes set in one call (one lock acquisition in the SDK instead of one per attribute).
-        span.set_attributes(self._end_attributes(summary, extra))
+        attributes = self._end_attributes(summary, extra)
+        dropped = getattr(span, "dropped_links", 0)
+        if dropped:
+            attributes[LINKS_DROPPED] = dropped
+        span.set_attributes(attributes)
         status = self._end_status(summary)
         if status is not _UNSET:
             span.set_status(status)
@@ -194,7 +209,7 @@ class RequestSpans:
 class _OpenSpan:
     """An assembled span until it ends. ``events`` is None when the span is not recorded."""
 
-    __slots__ = ("api", "parent", "start_ns", "attributes", "events")
+    __slots__ = ("api", "parent", "start_ns", "attributes", "events", "links")
 
     def __init__(
         self,
@@ -209,6 +224,7 @@ class _OpenSpan:
         self.start_ns = start_ns
         self.attributes = attributes
         self.events = events
+        self.links: Optional[BoundedList[trace.Link]] = None  # made at the first link
 
 
 class AssembledSpans(RequestSpans):
@@ -228,6 +244,8 @@ class AssembledSpans(RequestSpans):
         self.tracer: SdkTracer = tracer
         limits = sdk_tracer.span_limits(tracer)
         self._max_events = limits.max_events
+        self._max_links = limits.max_links
+        self._max_link_attributes = limits.max_link_attributes
         self._max_attributes = limits.max_span_attributes  # None: no limit (SpanLimits.UNSET)
         self._max_event_attributes = limits.max_event_attributes
         # The counts above which an attribute limit could bite: never, where there is none.
@@ -286,6 +304,18 @@ class AssembledSpans(RequestSpans):
             )
         span.events.append(Event(name, attributes, self.wall_ns(ts)))
 
+    def link(self, span: _OpenSpan, target: SpanContext, attributes: Mapping[str, Any]) -> None:
+        if span.events is None:
+            return
+        links = span.links
+        if links is None:
+            links = span.links = BoundedList(self._max_links)
+        # As Span.add_link: the attributes bounded, immutable.
+        bounded = BoundedAttributes(
+            self._max_link_attributes, attributes, immutable=True, max_value_len=self._event_value_len
+        )
+        links.append(trace.Link(target, bounded))
+
     def _emit(self, span: _OpenSpan, events: BoundedList[Event], status: Status, end_ns: int) -> None:
         tracer = self.tracer
         if isinstance(span.attributes, BoundedAttributes):
@@ -298,7 +328,7 @@ class AssembledSpans(RequestSpans):
                 tracer.resource,
                 span.attributes,
                 events,
-                (),
+                span.links if span.links is not None else (),
                 self.kind,
                 tracer.instrumentation_info,
                 status,
@@ -313,6 +343,8 @@ class AssembledSpans(RequestSpans):
         if events is None:
             return
         span.attributes.update(self._end_attributes(summary, extra))
+        if span.links is not None and span.links.dropped:
+            span.attributes[LINKS_DROPPED] = span.links.dropped
         self._emit(span, events, self._end_status(summary), self.wall_ns(summary.finish_time))
 
     def abandon(self, span: _OpenSpan, ts: Optional[float], why: str) -> None:

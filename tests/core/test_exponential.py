@@ -148,8 +148,9 @@ def test_fast_path_equals_sdk_path_with_exponential_histograms(naming, delta):
     kinds = {name: value[0] for (name, _), value in fast[-1].items() if isinstance(value, tuple)}
     for m in METRICS:
         if m.kind == "histogram" and m.name(naming) in kinds:
-            assert kinds[m.name(naming)] == ("explicit" if m.key == "request_num_preemptions" else "exponential")
+            assert kinds[m.name(naming)] == ("explicit" if m.explicit_only else "exponential")
     assert kinds[BY_KEY["request_num_preemptions"].name(config.naming)] == "explicit"
+    assert kinds[BY_KEY["request_num_preemptions_caused"].name(config.naming)] == "explicit"
     assert kinds[BY_KEY["inter_token_latency_seconds"].name(config.naming)] == "exponential"
 
 
@@ -198,9 +199,9 @@ def test_otlp_gets_exponential_histograms_and_prometheus_explicit_buckets(clean_
         received = sink.metric_points(m.vllm)
         assert received, m.vllm
         metric, point = received[0]
-        want = "histogram" if m.key == "request_num_preemptions" else "exponential_histogram"
+        want = "histogram" if m.explicit_only else "exponential_histogram"
         assert metric.WhichOneof("data") == want, m.vllm
-        if m.key in ("e2e_request_latency_seconds", "request_num_preemptions"):
+        if m.key in ("e2e_request_latency_seconds", "request_num_preemptions", "request_num_preemptions_caused"):
             assert point.count == len(truth)
     _, e2e_point = sink.metric_points("vllm:e2e_request_latency_seconds")[0]
     assert e2e_point.scale <= 20 and sum(e2e_point.positive.bucket_counts) + e2e_point.zero_count == len(truth)

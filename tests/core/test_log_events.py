@@ -2,7 +2,8 @@
 
 One log record per preemption, ``event_name="llm.request.preempted"``, at the preemption's own
 time, with the request span's trace and span ids and the attributes gen_ai.request.id,
-llm.preemption.ordinal (from 1), llm.preemption.num_computed_tokens, llm.preemption.reason.
+llm.preemption.ordinal (from 1), llm.preemption.num_computed_tokens, llm.preemption.reason,
+llm.preemption.cause and llm.preemption.cause_request_ids.
 Checked on engine_stub against the engine's own preemption counts, past the span event limit,
 through the path vLLM uses (record_finished), bounded and counted on the way out, and over OTLP
 through a real collector (rotel).
@@ -43,6 +44,8 @@ ATTRIBUTES = {
     "llm.preemption.ordinal",
     "llm.preemption.num_computed_tokens",
     "llm.preemption.reason",
+    "llm.preemption.cause",
+    "llm.preemption.cause_request_ids",  # engine_stub names the cause of every preemption
 }
 
 

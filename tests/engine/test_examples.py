@@ -30,7 +30,10 @@ def test_record_lifecycle():
     out = run("record_lifecycle.py")
     assert "vllm:request_num_preemptions: count=1 sum=1" in out
     assert "  le=0.5: 0\n  le=1.0: 1\n" in out
-    assert "event preempted {'ordinal': 1, 'num_computed_tokens': 12, 'reason': 'kv_cache_full'}" in out
+    assert (
+        "event preempted {'ordinal': 1, 'num_computed_tokens': 12, 'reason': 'kv_cache_full', 'cause': 'self', "
+        "'cause_request_ids': ('req-1',)}"
+    ) in out
 
 
 def test_hand_written_engine_loop():

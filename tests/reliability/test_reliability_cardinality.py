@@ -29,7 +29,7 @@ from tests.support.otel_helpers import BOTH_PATHS
 
 E = EventType
 ALLOWED_KEYS = {
-    "vllm": {"model_name", "engine", "reason", "finished_reason"},
+    "vllm": {"model_name", "engine", "reason", "cause", "finished_reason"},
     "semconv": {
         "gen_ai.request.model",
         "llm.engine",
@@ -37,6 +37,7 @@ ALLOWED_KEYS = {
         "gen_ai.provider.name",
         "gen_ai.response.finish_reason",
         "llm.preemption.reason",
+        "llm.preemption.cause",
         "reason",
         "error.type",
     },
