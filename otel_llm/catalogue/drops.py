@@ -15,6 +15,7 @@ INVALID_TRANSITION = "invalid_transition"
 UNKNOWN_EVENT_TYPE = "unknown_event_type"
 EVICTED = "evicted"  # a whole request, pushed out by the in-flight cap
 UNKNOWN_CAUSE = "unknown_cause"  # a preemption's cause names a request never seen (or long forgotten): no link
+CAUSE_RECORDS_LOST = "cause_records_lost"  # causes an engine core could not report (its channel full)
 INTERNAL_ERROR = "internal_error"
 # What the export path lost, counted in items by otel_llm.export.accounting.
 SPANS_QUEUE_FULL = "spans_queue_full"  # BatchSpanProcessor queue full (collector slow or down)
@@ -39,6 +40,7 @@ DROP_REASONS = (
     UNKNOWN_EVENT_TYPE,
     EVICTED,
     UNKNOWN_CAUSE,
+    CAUSE_RECORDS_LOST,
     INTERNAL_ERROR,
     SPANS_QUEUE_FULL,
     SPANS_AFTER_SHUTDOWN,

@@ -283,7 +283,7 @@ def test_beside_vllms_logger_finished_requests_are_translated_together(plugin_en
 
 @pytest.mark.parametrize("exemplar_filter, steps_read", [("trace_based", True), ("always_on", False)])
 def test_with_its_own_providers_the_per_step_core_series_are_vllms_read_at_collection(
-    plugin_endpoint, model_dir, monkeypatch, exemplar_filter, steps_read
+    plugin_endpoint, model_dir, monkeypatch, caplog, exemplar_filter, steps_read
 ):
     """Beside vLLM's own logger, on the providers the plugin builds, the core series that vLLM's
     logger records each engine step (latencies, iteration tokens, token and preemption counters,
@@ -292,8 +292,11 @@ def test_with_its_own_providers_the_per_step_core_series_are_vllms_read_at_colle
     (which those series then carry) the plugin records them itself, with the same values."""
     from prometheus_client import REGISTRY, generate_latest
 
+    from otel_llm.integrations.vllm import translate
+
     monkeypatch.setenv("OTEL_METRICS_EXEMPLAR_FILTER", exemplar_filter)
     monkeypatch.setenv("OTEL_LLM_PREEMPTION_BUCKETS", ",".join(map(str, VLLM_PREEMPTION_BUCKETS)))
+    monkeypatch.setattr(translate, "_told_unknown", [])
     vllm_config = _config(model_dir)
     manager, ours = plugin_manager(vllm_config, [0, 1])
     impl = ours._impl
@@ -314,9 +317,16 @@ def test_with_its_own_providers_the_per_step_core_series_are_vllms_read_at_colle
     differ = {k: (v, got[k]) for k, v in expected.items() if k in got and v != got[k]}
     assert not missing, missing[:10]
     assert not differ, differ
-    # Beyond vLLM's: preemptions by reason (vLLM's, all kv_cache_full), and no recomputed tokens.
+    # Beyond vLLM's: preemptions by reason (vLLM's, all kv_cache_full), no recomputed tokens, and
+    # the attribution's series (without the deep hook: every cause unknown, nobody caused any).
     extra = {name for name, _ in set(got) - set(expected)}
-    assert extra == {"vllm:num_preemptions_by_reason_total", "vllm:num_recomputed_tokens_total"}
+    caused = "vllm:request_num_preemptions_caused"
+    assert extra == {
+        "vllm:num_preemptions_by_reason_total",
+        "vllm:num_recomputed_tokens_total",
+        "vllm:num_preemptions_by_cause_total",
+        *(f"{caused}{suffix}" for suffix in ("_bucket", "_sum", "_count")),
+    }
     model = vllm_config.model_config.served_model_name
     for engine, preemptions in (("0", 11), ("1", 3)):
         labels = {"model_name": model, "engine": engine}
@@ -324,5 +334,12 @@ def test_with_its_own_providers_the_per_step_core_series_are_vllms_read_at_colle
         by_reason = frozenset({**labels, "reason": "kv_cache_full"}.items())
         assert got[("vllm:num_preemptions_by_reason_total", by_reason)] == preemptions
         assert got[("vllm:num_recomputed_tokens_total", frozenset(labels.items()))] == 0
+        unknown = frozenset({**labels, "cause": "unknown"}.items())  # said once
+        told = [r for r in caplog.records if "causes of vLLM's preemptions are unknown" in r.getMessage()]
+        assert len(told) == 1
+        assert got[("vllm:num_preemptions_by_cause_total", unknown)] == preemptions
+        assert got[(f"{caused}_sum", frozenset(labels.items()))] == 0
+        finished = expected[("vllm:request_num_preemptions_count", frozenset(labels.items()))]
+        assert got[(f"{caused}_count", frozenset(labels.items()))] == finished
         tokens = sum(s.tokens for s in streams[int(engine)].specs)
         assert got[("vllm:generation_tokens_total", frozenset(labels.items()))] == tokens

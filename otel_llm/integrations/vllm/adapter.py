@@ -22,11 +22,11 @@ from typing import Any, Iterable, Optional
 from otel_llm.catalogue import drops
 from otel_llm.catalogue.metrics import METRICS
 from otel_llm.core.telemetry import EngineTelemetry
+from otel_llm.integrations.vllm import attribution, traces
 from otel_llm.integrations.vllm import deep_hook as vllm_deep_hook
 from otel_llm.integrations.vllm.fields import FieldReader
 from otel_llm.integrations.vllm.plan import make_plan, read_step_series
-from otel_llm.integrations.vllm.translate import DEFAULT_PREEMPTION_REASON, StepTranslator, VllmRequestSummary, VllmStep
-from otel_llm.summary import ENGINE_DEAD
+from otel_llm.integrations.vllm.translate import StepTranslator, VllmStep
 
 _log = logging.getLogger("otel_llm.integrations.vllm")  # one logger for the vLLM adapter, whichever module logs
 
@@ -98,10 +98,10 @@ class VllmAdapter:
             if self.steps_read
             else Keeping.EVERY_STEP
         )
-        self._deep_hook = None
-        if vllm_deep_hook.enabled() and vllm_deep_hook.install():
-            self._deep_hook = vllm_deep_hook
+        self.deep_hook = vllm_deep_hook.enabled() and vllm_deep_hook.install()
+        if self.deep_hook:
             vllm_deep_hook.listen(self.stopped)
+            attribution.start()
         for idx in self.telemetry:
             self._translate_with(idx)
 
@@ -168,7 +168,7 @@ class VllmAdapter:
             series=self.series,
             steps_read=self.steps_read,
             gauges=self.gauges,
-            deep_hook=self._deep_hook,
+            deep_hook=self.deep_hook,
         )
         self._translators[idx] = translator
         self.telemetry[idx].translate_steps_with(translator)
@@ -191,8 +191,7 @@ class VllmAdapter:
                     "record", scheduler_stats, iteration_stats, mm_cache_stats=mm_cache_stats, engine_idx=idx
                 )
             return
-        hook = self._deep_hook
-        if hook is not None and (hook.ended or hook.lost[0]):
+        if self.deep_hook and (traces.ended or traces.lost[0]):
             self.record_ended()
         keeping = self.keeping
         if keeping is Keeping.FINISHED_ONLY and not getattr(iteration_stats, "finished_requests", None):
@@ -208,38 +207,23 @@ class VllmAdapter:
     def record_ended(self) -> None:
         """A span for each request the deep hook saw end without vLLM's FinishedRequestStats
         (aborted, cut short by a shutdown or a dead engine); no metric: vLLM counts none."""
-        hook = self._deep_hook
-        if hook is None or not (hook.ended or hook.lost[0]):
+        if not self.deep_hook or not (traces.ended or traces.lost[0]):
             return
-        tel = self.telemetry.get(min(self.telemetry, default=0)) or self._engine(0)
+        idx = min(self.telemetry, default=0)
+        tel = self.telemetry.get(idx) or self._engine(idx)
         if tel is None:
             return
-        lost, hook.lost[0] = hook.lost[0], 0
+        lost, traces.lost[0] = traces.lost[0], 0
         if lost:
             tel.count_dropped(drops.EVICTED, lost)
         offset = time.time() - time.monotonic()
-        while hook.ended:
+        translator = self._translators[idx]
+        while traces.ended:
             try:
-                a = hook.ended.popleft()
+                a = traces.ended.popleft()
             except IndexError:  # drained by another thread
                 return
-            finish = a.end_time - offset
-            preemptions = tuple((ts, 0, DEFAULT_PREEMPTION_REASON) for ts in a.trace.preempted_at)
-            summary = VllmRequestSummary(
-                request_id=a.request_id,
-                finish_reason="error" if a.incomplete == ENGINE_DEAD else "abort",
-                arrival_time=a.arrival_time - offset,
-                finish_time=finish,
-                prompt_tokens=a.prompt_tokens,
-                generation_tokens=a.generation_tokens,
-                max_tokens=a.max_tokens,
-                num_preemptions=len(preemptions),
-                preempted_time=a.trace.preempted_time(finish),
-                preemptions=preemptions,
-                incomplete=a.incomplete,
-                error_type=a.error_type,
-            )
-            tel.record_finished(summary, a.trace.carrier, metrics=False)
+            translator.record_ended(tel, a, offset)
 
     def logged(self) -> None:
         """vLLM's periodic ``log()``: the steps kept are applied (their spans and metrics), and

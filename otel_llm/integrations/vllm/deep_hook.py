@@ -39,29 +39,24 @@ request with the exact preemption count. Loaded in every vLLM process through th
 
 from __future__ import annotations
 
-import collections
 import contextvars
 import inspect
 import logging
 import threading
-import time
 import weakref
-from typing import Any, Callable, Iterable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from otel_llm.config.settings import from_environment
+from otel_llm.integrations.vllm import attribution, engine_core, traces
+from otel_llm.integrations.vllm.cause_channel import folder
 from otel_llm.summary import ENGINE_DEAD, SHUTDOWN
 
 _log = logging.getLogger(__name__)
 
 ENV = "OTEL_LLM_VLLM_DEEP_HOOK"
 TESTED_VERSIONS = ((0, 10), (0, 34))  # [min, max)
-TRACE_ATTR = "_otel_llm_trace"
 SHUT_DOWN_ATTR = "_otel_llm_shut_down"  # on an AsyncLLM whose shutdown the stat loggers were told of
 _MARK = "__otel_llm_deep_hook__"
-# vLLM's EngineCoreEventType values (IntEnum): QUEUED=1, SCHEDULED=2, PREEMPTED=3.
-QUEUED, SCHEDULED, PREEMPTED = 1, 2, 3
-
-MAX_ENDED = 4096
 _lock = threading.Lock()
 _state: dict[str, Any] = {"installed": False, "failed": None, "originals": []}
 # The trace headers of the request being added, from AsyncLLM.add_request to OutputProcessor.add_request.
@@ -85,6 +80,7 @@ def register() -> None:
 
         frontend.check()
         if enabled():
+            folder(create=True)  # before the engine cores start: they inherit where to report causes
             install()
     except ValueError as exc:  # a bad OTEL_LLM_VLLM_DEEP_HOOK: its name and the rule, one line
         _log.error("otel-llm deep hook: not attached: %s", exc)
@@ -92,89 +88,6 @@ def register() -> None:
         _log.exception("otel-llm deep hook: registration failed; falling back")
 
 
-class RequestTrace:
-    """What the hook saw of one request: its engine-core events, arrival time and TTFT."""
-
-    __slots__ = ("events", "arrival_time", "first_token_latency", "carrier", "ended", "stopping")
-
-    def __init__(self) -> None:
-        self.events: list[tuple[int, float]] = []  # (EngineCoreEventType value, monotonic ts)
-        self.arrival_time: Optional[float] = None  # wall clock (vLLM frontend)
-        self.first_token_latency: Optional[float] = None
-        self.carrier: Optional[dict] = None  # the caller's traceparent / tracestate
-        self.ended = False  # its span is made (or queued to be): no second one
-        self.stopping = False  # in flight when vLLM began to shut down: an abort then is the shutdown's
-
-    @property
-    def preempted_at(self) -> tuple[float, ...]:
-        return tuple(ts for kind, ts in self.events if kind == PREEMPTED)
-
-    def preempted_time(self, finish_time: float) -> float:
-        """Sum over preemptions of (next SCHEDULED - PREEMPTED); a request still waiting at
-        its finish (aborted) counts until ``finish_time`` (same monotonic clock)."""
-        total = 0.0
-        since: Optional[float] = None
-        for kind, ts in self.events:
-            if kind == PREEMPTED and since is None:
-                since = ts
-            elif kind == SCHEDULED and since is not None:
-                total += max(0.0, ts - since)
-                since = None
-        if since is not None:
-            total += max(0.0, finish_time - since)
-        return total
-
-
-class EndedRequest:
-    """A request that ended without ``FinishedRequestStats``, as the output processor knew it
-    (wall-clock times): aborted (``incomplete`` None), or cut short by vLLM's shutdown or by the
-    death of its engine core."""
-
-    __slots__ = (
-        "request_id",
-        "arrival_time",
-        "end_time",
-        "prompt_tokens",
-        "max_tokens",
-        "generation_tokens",
-        "trace",
-        "incomplete",
-        "error_type",
-    )
-
-    def __init__(self, req_state: Any, incomplete: Optional[str] = None, error_type: Optional[str] = None) -> None:
-        stats = getattr(req_state, "stats", None)
-        self.request_id = str(getattr(req_state, "external_req_id", None) or getattr(req_state, "request_id", ""))
-        self.end_time = time.time()
-        arrival = getattr(stats, "arrival_time", None)
-        self.arrival_time = arrival if isinstance(arrival, (int, float)) and arrival > 0 else self.end_time
-        self.prompt_tokens = _count(getattr(req_state, "prompt_len", 0))
-        self.max_tokens = _count(getattr(req_state, "max_tokens_param", 0))
-        self.generation_tokens = _count(getattr(stats, "num_generation_tokens", 0))
-        self.trace = _trace_of(req_state)
-        self.trace.ended = True
-        self.incomplete = incomplete
-        self.error_type = error_type
-
-
-def _trace_of(req_state: Any) -> RequestTrace:
-    """The trace kept on a vLLM RequestState's stats, made there if there is none yet."""
-    stats = getattr(req_state, "stats", None)
-    trace = getattr(stats, TRACE_ATTR, None)
-    if not isinstance(trace, RequestTrace):
-        trace = RequestTrace()
-        if stats is not None:
-            setattr(stats, TRACE_ATTR, trace)
-    return trace
-
-
-def _count(value: Any) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
-
-
-# Filled by the output processor's thread, drained by the stat logger (deque appends and pops are atomic).
-ended: "collections.deque[EndedRequest]" = collections.deque(maxlen=MAX_ENDED)
-lost = [0]  # requests pushed out of a full ``ended`` before a stat logger took them
 # Called when vLLM stops or its engine died: no engine step comes to record what was ended.
 _listeners: "list[weakref.WeakMethod]" = []
 
@@ -183,15 +96,6 @@ def listen(callback: Callable[[], None]) -> None:
     """Call the bound method ``callback`` (a stat logger's) when vLLM stops or its engine died,
     so that it records the requests ended then and flushes; held weakly."""
     _listeners.append(weakref.WeakMethod(callback))
-
-
-def _end(states: Iterable[Any], incomplete: Optional[str] = None, error_type: Optional[str] = None) -> None:
-    for state in states:
-        if _trace_of(state).ended:
-            continue
-        if len(ended) == MAX_ENDED:
-            lost[0] += 1
-        ended.append(EndedRequest(state, incomplete, error_type))
 
 
 def _notify() -> None:
@@ -204,12 +108,6 @@ def _notify() -> None:
             callback()
         except Exception:  # noqa: BLE001 - one logger's failure must not stop vLLM's shutdown
             _log.exception("otel-llm deep hook: recording the requests cut short failed")
-
-
-def trace_of(finished_stats: Any) -> Optional[RequestTrace]:
-    """The trace the hook attached to vLLM's ``FinishedRequestStats``, if any."""
-    trace = getattr(finished_stats, TRACE_ATTR, None)
-    return trace if isinstance(trace, RequestTrace) else None
 
 
 def vllm_version() -> tuple[str, tuple[int, int]]:
@@ -317,11 +215,14 @@ def _install() -> Optional[str]:
         result = orig_events(self, req_id, events, is_prefilling, req_stats, *args, **kwargs)
         try:
             if events:
-                trace = getattr(req_stats, TRACE_ATTR, None)
+                trace = getattr(req_stats, traces.TRACE_ATTR, None)
                 if trace is None:
-                    trace = RequestTrace()
-                    setattr(req_stats, TRACE_ATTR, trace)
-                trace.events.extend((int(e.type), float(e.timestamp)) for e in events)
+                    trace = traces.RequestTrace()
+                    setattr(req_stats, traces.TRACE_ATTR, trace)
+                seen = [(int(e.type), float(e.timestamp)) for e in events]
+                trace.events.extend(seen)
+                if any(kind == traces.PREEMPTED for kind, _ in seen):
+                    attribution.drain()  # a preemption went by: its causes are in the channel
         except Exception as exc:  # noqa: BLE001 - never into vLLM's engine core
             warn_once("recording engine-core events", exc)
         return result
@@ -334,17 +235,18 @@ def _install() -> Optional[str]:
             if req_stats is None and len(args) >= req_stats_pos:
                 req_stats = args[req_stats_pos - 1]
             if req_stats is not None and len(self.finished_requests) > before:
-                trace = getattr(req_stats, TRACE_ATTR, None) or RequestTrace()
+                trace = getattr(req_stats, traces.TRACE_ATTR, None) or traces.RequestTrace()
                 trace.arrival_time = getattr(req_stats, "arrival_time", None)
                 ftl = getattr(req_stats, "first_token_latency", None)
                 trace.first_token_latency = ftl if isinstance(ftl, (int, float)) and ftl > 0 else None
-                setattr(self.finished_requests[-1], TRACE_ATTR, trace)
+                setattr(self.finished_requests[-1], traces.TRACE_ATTR, trace)
         except Exception as exc:  # noqa: BLE001 - never into vLLM's output processor
             warn_once("attaching the trace to FinishedRequestStats", exc)
         return result
 
     _wrap(cls, "update_from_events", update_from_events)
     _wrap(cls, "update_from_finished_request", update_from_finished_request)
+    _install_cause_reports()
     problem = _install_trace_context_capture(warn_once)
     if problem:
         _log.warning(
@@ -353,6 +255,18 @@ def _install() -> Optional[str]:
             problem,
         )
     return None
+
+
+def _install_cause_reports() -> None:
+    """In the engine core (and, unused, everywhere else): the cause of every preemption reported
+    (:mod:`.engine_core`); where it cannot be, the causes are unknown, said once."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    problem = engine_core.shape_problem(Scheduler)
+    if problem is not None:
+        _log.warning("otel-llm deep hook: the causes of preemptions are not reported (%s): they are unknown", problem)
+        return
+    _wrap(Scheduler, "_preempt_request", engine_core.wrapper(Scheduler))
 
 
 def _wrap(owner: type, name: str, wrapper: Callable) -> None:
@@ -404,18 +318,17 @@ def _install_trace_context_capture(warn_once: Callable[[str, BaseException], Non
     def add_to_processor(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
         result = processor_add(self, request, *args, **kwargs)
         try:
-            headers = _adding_headers.get()
-            if headers:
-                req_state = self.request_states.get(request.request_id)
-                req_stats = getattr(req_state, "stats", None)
-                if req_stats is not None:
-                    trace = getattr(req_stats, TRACE_ATTR, None)
-                    if trace is None:
-                        trace = RequestTrace()
-                        setattr(req_stats, TRACE_ATTR, trace)
-                    trace.carrier = headers
+            req_state = self.request_states.get(request.request_id)
+            if getattr(req_state, "stats", None) is not None:
+                # Every request: a preemption's victim and its cause are told by internal id.
+                trace = traces.trace_on(req_state)
+                trace.carrier = _adding_headers.get() or trace.carrier
+                trace.internal_id = str(request.request_id)
+                trace.external_id = str(getattr(req_state, "external_req_id", None) or request.request_id)
+                trace.arrival_time = getattr(req_state.stats, "arrival_time", None)
+                traces.arrived(trace.internal_id, trace)
         except Exception as exc:  # noqa: BLE001 - never into vLLM's request path
-            warn_once("keeping the trace headers", exc)
+            warn_once("keeping the request's trace", exc)
         return result
 
     abort = OutputProcessor.abort_requests
@@ -424,7 +337,7 @@ def _install_trace_context_capture(warn_once: Callable[[str, BaseException], Non
         before = dict(self.request_states)
         result = abort(self, *args, **kwargs)
         try:
-            _end(state for rid, state in before.items() if rid not in self.request_states)
+            traces.end(state for rid, state in before.items() if rid not in self.request_states)
         except Exception as exc:  # noqa: BLE001 - never into vLLM's abort path
             warn_once("keeping aborted requests", exc)
         return result
@@ -434,7 +347,7 @@ def _install_trace_context_capture(warn_once: Callable[[str, BaseException], Non
     def propagate_error(self: Any, e: Any, *args: Any, **kwargs: Any) -> Any:
         # Before vLLM's: it hands the error to every request's stream, which then ends.
         try:
-            _end(list(self.request_states.values()), ENGINE_DEAD, type(e).__name__)
+            traces.end(list(self.request_states.values()), ENGINE_DEAD, type(e).__name__)
             _notify()
         except Exception as exc:  # noqa: BLE001 - never into vLLM's error path
             warn_once("keeping the requests of a dead engine", exc)
@@ -457,7 +370,7 @@ def _install_trace_context_capture(warn_once: Callable[[str, BaseException], Non
         processor = getattr(self, "output_processor", None)
         try:
             for state in list(getattr(processor, "request_states", {}).values()):
-                _trace_of(state).stopping = True
+                traces.trace_on(state).stopping = True
         except Exception as exc:  # noqa: BLE001 - never into vLLM's shutdown
             warn_once("marking the requests in flight at shutdown", exc)
         try:
@@ -465,7 +378,7 @@ def _install_trace_context_capture(warn_once: Callable[[str, BaseException], Non
         finally:
             try:
                 if processor is not None:
-                    _end(list(processor.request_states.values()), SHUTDOWN)
+                    traces.end(list(processor.request_states.values()), SHUTDOWN)
                 _notify()
             except Exception as exc:  # noqa: BLE001 - never into vLLM's shutdown
                 warn_once("keeping the requests in flight at shutdown", exc)

@@ -144,7 +144,7 @@ def _make_adding_class() -> type:
                     "otel-llm: recording vLLM stats for model %r, engines %s (deep hook %s)",
                     self._impl.config.model_name,
                     self.engine_indexes,
-                    "on" if self._impl._deep_hook is not None else "off",
+                    "on" if self._impl.deep_hook else "off",
                 )
 
         @_guard

@@ -12,15 +12,23 @@ in a row to one engine's :class:`StepTranslator` (``EngineTelemetry.translate_st
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
+from collections import Counter
 from typing import Any, NamedTuple, Optional, Sequence
 
+from otel_llm.catalogue import drops
 from otel_llm.core.telemetry import EngineTelemetry
 from otel_llm.events import StepStats
+from otel_llm.integrations.vllm import attribution
 from otel_llm.integrations.vllm.fields import MISSING, FieldReader
-from otel_llm.summary import SHUTDOWN, RequestSummary
+from otel_llm.integrations.vllm.traces import EndedRequest, RequestTrace, trace_of
+from otel_llm.summary import ENGINE_DEAD, SHUTDOWN, PreemptionCause, RequestSummary
 
 DEFAULT_PREEMPTION_REASON = "kv_cache_full"  # vLLM preempts for KV cache space only
+
+_log = logging.getLogger("otel_llm.integrations.vllm")  # one logger for the vLLM adapter, whichever module logs
+_told_unknown: list[bool] = []  # the one warning that, without the deep hook, causes are unknown
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -92,7 +100,7 @@ class StepTranslator:
     read from vLLM's own logger (None otherwise); ``steps_read``: the per-step core series are
     read from vLLM's logger, only the finished requests are translated; ``gauges``: the
     scheduler gauges shared with other API servers, published per step; ``deep_hook``: the deep
-    hook module when it is attached (what it saw of each finished request).
+    hook is attached (what it saw of each request, its preemptions' causes included).
     """
 
     def __init__(
@@ -103,7 +111,7 @@ class StepTranslator:
         series: Any = None,
         steps_read: bool = False,
         gauges: Any = None,
-        deep_hook: Any = None,
+        deep_hook: bool = False,
     ) -> None:
         self.engine_idx = engine_idx
         self.reader = reader
@@ -187,21 +195,81 @@ class StepTranslator:
 
     def _record_finished(self, telemetry: EngineTelemetry, iterations: Sequence[VllmStep]) -> None:
         """The finished requests of several steps' IterationStats: metrics and spans."""
-        r, hook = self.reader, self.deep_hook
+        r, deep_hook = self.reader, self.deep_hook
+        drained = False
         for s in iterations:
             it = s.iteration_stats
             finished = r.raw(it, "finished_requests", "the per-request metrics and spans")
             if finished is MISSING or not finished:
                 continue
+            if deep_hook and not drained:
+                drained = True
+                self._drain_causes(telemetry)
             ts = r.number(it, "iteration_timestamp", "span times")
             finish_time = (ts - s.wall_offset) if ts is not None else time.monotonic()
             for f in list(finished):
-                deep = hook.trace_of(f) if hook is not None else None
+                deep = trace_of(f) if deep_hook else None
                 summary = self.summary(f, finish_time, s.wall_offset, deep)
-                if summary is not None:
-                    # A request the deep hook already ended (cut short at shutdown) keeps its one span.
-                    span = deep is None or not deep.ended
-                    telemetry.record_finished(summary, deep.carrier if deep is not None else None, span=span)
+                if summary is None:
+                    continue
+                if deep is None:
+                    if summary.num_preemptions and not _told_unknown:
+                        _told_unknown.append(True)
+                        _log.warning(
+                            "otel-llm: the causes of vLLM's preemptions are unknown without the deep hook "
+                            "(OTEL_LLM_VLLM_DEEP_HOOK=on, a vLLM it supports)"
+                        )
+                    telemetry.record_finished(summary)
+                    continue
+                self._open_causes(telemetry, deep, s.wall_offset)
+                # A request the deep hook already ended (cut short at shutdown) keeps its one span.
+                telemetry.record_finished(summary, deep.carrier, span=not deep.ended)
+                attribution.translated(deep)
+
+    def record_ended(self, telemetry: EngineTelemetry, ended: EndedRequest, offset: float) -> None:
+        """A request the deep hook saw end without vLLM's FinishedRequestStats (aborted, cut
+        short): its span, no metric (vLLM counts none)."""
+        self._drain_causes(telemetry)
+        trace = ended.trace
+        finish = ended.end_time - offset
+        preemptions = tuple((ts, 0, DEFAULT_PREEMPTION_REASON) for ts in trace.preempted_at)
+        causes = attribution.causes_of(trace, len(preemptions))
+        summary = VllmRequestSummary(
+            request_id=ended.request_id,
+            finish_reason="error" if ended.incomplete == ENGINE_DEAD else "abort",
+            arrival_time=ended.arrival_time - offset,
+            finish_time=finish,
+            prompt_tokens=ended.prompt_tokens,
+            generation_tokens=ended.generation_tokens,
+            max_tokens=ended.max_tokens,
+            num_preemptions=len(preemptions),
+            preempted_time=trace.preempted_time(finish),
+            preemptions=preemptions,
+            preemption_causes=causes,
+            preemptions_by_cause=_by_kind(causes),
+            num_preemptions_caused=trace.caused,
+            incomplete=ended.incomplete,
+            error_type=ended.error_type,
+        )
+        self._open_causes(telemetry, trace, offset)
+        telemetry.record_finished(summary, trace.carrier, metrics=False)
+        attribution.translated(trace)
+
+    @staticmethod
+    def _drain_causes(telemetry: EngineTelemetry) -> None:
+        """The causes the engine cores reported so far, applied (before any finished request that
+        needs them is summed up); what they lost, counted."""
+        attribution.drain()
+        lost = attribution.take_lost()
+        if lost:
+            telemetry.count_dropped(drops.CAUSE_RECORDS_LOST, lost)
+
+    @staticmethod
+    def _open_causes(telemetry: EngineTelemetry, trace: RequestTrace, offset: float) -> None:
+        """The spans of the request's causes still in flight, opened now: its links need them."""
+        for cause in attribution.causes_in_flight(trace):
+            if cause.external_id is not None and cause.arrival_time is not None:
+                telemetry.reserve_span(cause.external_id, cause.arrival_time - offset, cause.carrier)
 
     def summary(self, f: Any, finish_time: float, offset: float, deep: Any) -> Optional[VllmRequestSummary]:
         """The RequestSummary of one of vLLM's FinishedRequestStats; ``deep``: what the deep hook
@@ -214,6 +282,7 @@ class StepTranslator:
         num_preemptions = r.number(f, "num_preemptions", "vllm:request_num_preemptions")
         arrival = finish_time - e2e if e2e is not None else None
         preemptions: tuple[tuple[float, int, str], ...] = ()
+        causes: tuple[PreemptionCause, ...] = ()
         preempted_time = None
         ttft = None
         if deep is not None:
@@ -224,6 +293,7 @@ class StepTranslator:
             ttft = deep.first_token_latency
             if num_preemptions is None:
                 num_preemptions = len(preemptions)
+            causes = attribution.causes_of(deep, _int(num_preemptions) or 0)
         request_id = r.raw(f, "request_id", "span attribute gen_ai.request.id")
         values: dict[str, Any] = {d.ours: r.number(f, d.vllm, d.metric) for d in FINISHED_DURATIONS}
         values.update({c.ours: _int(r.number(f, c.vllm, c.metric)) for c in FINISHED_COUNTS})
@@ -240,10 +310,17 @@ class StepTranslator:
             recomputed_tokens=0,
             cached_tokens=_int(getattr(f, "num_cached_tokens", 0)) or 0,
             preemptions=preemptions,
+            preemption_causes=causes,
+            preemptions_by_cause=_by_kind(causes),
+            num_preemptions_caused=deep.caused if deep is not None else 0,
             # Aborted by vLLM's shutdown (in flight when it began), not by its client.
             incomplete=SHUTDOWN if deep is not None and deep.stopping and str(reason) == "abort" else None,
             **values,
         )
+
+
+def _by_kind(causes: Sequence[PreemptionCause]) -> tuple[tuple[str, int], ...]:
+    return tuple(Counter(c.kind for c in causes).items())
 
 
 def _int(value: Any) -> Optional[int]:

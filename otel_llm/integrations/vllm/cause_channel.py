@@ -1,0 +1,230 @@
+"""The channel that carries the cause of each preemption from vLLM's engine-core processes, where
+the scheduler preempts, to its API servers, where the request spans are made.
+
+vLLM's own output carries no cause (``EngineCoreEvent`` is a type and a timestamp), so the
+engine core writes one line per preemption on a Unix stream socket that each API server listens
+on, in a folder of the serve's (:data:`ENV`, made by the first process that loads the plugin and
+inherited by the processes it starts, 0700). A line is written inside ``schedule()``, before the
+step's outputs leave the engine core: once an API server has those outputs, the line is in its
+socket's queue, so draining it (non-blocking) before the outputs' finished requests are
+translated finds every cause they need. Nothing is written or read while nobody is preempted;
+the engine core never blocks on it (past a full socket it keeps up to :data:`MAX_PENDING` bytes,
+sent with its next line; beyond, it drops records and tells their count), and an API server never
+waits for it.
+
+A line is JSON: ``["p", victim, ordinal, kind, [cause, ...]]`` (vLLM's internal request ids; the
+victim's preemption ordinal, counting from 1) or ``["lost", n]``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import select
+import shutil
+import socket
+import tempfile
+import time
+from typing import Iterator, NamedTuple, Optional
+
+_log = logging.getLogger("otel_llm.integrations.vllm")  # one logger for the vLLM adapter, whichever module logs
+
+ENV = "OTEL_LLM_VLLM_CAUSE_CHANNEL"  # set by the plugin itself for the processes a serve starts
+SUFFIX = ".sock"
+SEND_BUFFER = 1 << 20  # bytes a receiver may fall behind before lines wait in the sender
+MAX_PENDING = 1 << 20  # bytes kept per receiver while its socket is full; more are lost (counted)
+MAX_LINE = 1 << 16  # a longer line is garbage: dropped with what is buffered
+RESCAN_S = 5.0  # a sender looks for new receivers at most this often, only when it sends
+
+
+class CauseRecord(NamedTuple):
+    victim: str  # vLLM's internal request id
+    ordinal: int  # the victim's preemption, from 1
+    kind: str  # otel_llm.events.CAUSE_*
+    causes: tuple[str, ...]  # internal request ids
+
+
+def folder(create: bool = False) -> Optional[str]:
+    """The serve's channel folder (None when there is none and ``create`` is false)."""
+    path = os.environ.get(ENV)
+    if path or not create:
+        return path or None
+    path = tempfile.mkdtemp(prefix="otel-llm-vllm-causes-")
+    os.environ[ENV] = path  # the engine cores and API servers started from here inherit it
+    owner = os.getpid()
+
+    def remove() -> None:
+        if os.getpid() == owner:  # not in a forked child
+            shutil.rmtree(path, ignore_errors=True)
+
+    atexit.register(remove)
+    return path
+
+
+def encode(record: CauseRecord) -> bytes:
+    return (json.dumps(["p", record.victim, record.ordinal, record.kind, list(record.causes)]) + "\n").encode()
+
+
+class Sender:
+    """The engine core's end: a line to every API server of the serve."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._peers: dict[str, socket.socket] = {}
+        self._pending: dict[str, bytes] = {}  # per receiver: bytes its socket could not take yet
+        self._lost: dict[str, int] = {}  # per receiver: records dropped, to be told
+        self._scanned = -RESCAN_S
+
+    def send(self, record: CauseRecord) -> None:
+        line = encode(record)
+        now = time.monotonic()
+        if now - self._scanned >= RESCAN_S:
+            self._scanned = now
+            self._connect_new()
+        for name, peer in list(self._peers.items()):
+            rest = self._write(name, peer, self._pending.pop(name, b""))  # what waited goes first
+            if rest is None:
+                continue
+            if len(rest) >= MAX_PENDING:  # that API server is far behind: this record is lost, counted
+                self._lost[name] = self._lost.get(name, 0) + 1
+            else:
+                lost = self._lost.pop(name, 0)
+                if lost:
+                    rest += (json.dumps(["lost", lost]) + "\n").encode()
+                rest = self._write(name, peer, rest + line)
+            if rest:
+                self._pending[name] = rest  # sent with the next record (a line part-sent stays whole)
+
+    def _write(self, name: str, peer: socket.socket, data: bytes) -> Optional[bytes]:
+        """What of ``data`` the socket did not take; None when that API server is gone."""
+        if not data:
+            return data
+        try:
+            sent = peer.send(data)
+        except BlockingIOError:
+            sent = 0
+        except OSError:
+            del self._peers[name]
+            self._lost.pop(name, None)
+            peer.close()
+            return None
+        return data[sent:]
+
+    def _connect_new(self) -> None:
+        try:
+            names = [n for n in os.listdir(self.path) if n.endswith(SUFFIX) and n not in self._peers]
+        except OSError:
+            return
+        for name in names:
+            peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                peer.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
+                peer.setblocking(False)
+                peer.connect(os.path.join(self.path, name))
+            except OSError:  # not listening (any more), or its backlog is full: the next scan
+                peer.close()
+                continue
+            self._peers[name] = peer
+
+
+class Receiver:
+    """An API server's end: listens in the serve's folder; :meth:`drain` takes what has come."""
+
+    def __init__(self, path: str) -> None:
+        self.address = os.path.join(path, f"{os.getpid()}{SUFFIX}")
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(self.address)
+        self._listener.listen(16)
+        self._listener.setblocking(False)
+        self._peers: dict[socket.socket, bytes] = {}  # connection -> a line received in part
+        self.lost = 0  # records the senders dropped, as they told
+        self.garbage = 0  # lines that were not records
+        owner = os.getpid()
+
+        def close() -> None:
+            if os.getpid() == owner:  # not in a forked child
+                self.close()
+
+        atexit.register(close)
+
+    def drain(self) -> list[CauseRecord]:
+        """Every record received so far, in order per engine core; never waits."""
+        records: list[CauseRecord] = []
+        try:
+            ready, _, _ = select.select([self._listener, *self._peers], [], [], 0)
+        except (OSError, ValueError):  # closed
+            return records
+        # A connection accepted now holds what its engine core wrote before its first output.
+        fresh = self._accept() if self._listener in ready else []
+        for peer in [*(r for r in ready if r is not self._listener), *fresh]:
+            records.extend(self._read(peer))
+        return records
+
+    def _accept(self) -> list[socket.socket]:
+        accepted: list[socket.socket] = []
+        while True:
+            try:
+                peer, _ = self._listener.accept()
+            except OSError:  # none left (BlockingIOError), or closed
+                return accepted
+            peer.setblocking(False)
+            self._peers[peer] = b""
+            accepted.append(peer)
+
+    def _read(self, peer: socket.socket) -> Iterator[CauseRecord]:
+        data, closed = self._peers[peer], False
+        while True:
+            try:
+                chunk = peer.recv(1 << 16)
+            except BlockingIOError:
+                break
+            except OSError:
+                chunk = b""
+            if not chunk:  # the engine core closed it (stopped, or died: a line cut short is dropped)
+                closed = True
+                break
+            data += chunk
+        *lines, rest = data.split(b"\n")
+        if closed:
+            del self._peers[peer]
+            peer.close()
+        elif len(rest) > MAX_LINE:
+            self.garbage += 1
+            self._peers[peer] = b""
+        else:
+            self._peers[peer] = rest
+        for line in lines:
+            record = self._parse(line)
+            if record is not None:
+                yield record
+
+    def _parse(self, line: bytes) -> Optional[CauseRecord]:
+        try:
+            item = json.loads(line)
+            if item[0] == "lost" and type(item[1]) is int:
+                self.lost += item[1]
+                return None
+            _, victim, ordinal, kind, causes = item
+            if (
+                type(victim) is str
+                and type(ordinal) is int
+                and type(kind) is str
+                and all(type(c) is str for c in causes)
+            ):
+                return CauseRecord(victim, ordinal, kind, tuple(causes))
+        except (ValueError, TypeError, IndexError):
+            pass
+        self.garbage += 1
+        return None
+
+    def close(self) -> None:
+        for peer in self._peers:
+            peer.close()
+        self._peers.clear()
+        self._listener.close()
+        try:
+            os.unlink(self.address)
+        except OSError:
+            pass
