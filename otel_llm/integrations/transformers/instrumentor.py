@@ -35,7 +35,7 @@ except ModuleNotFoundError as exc:  # the one thing the [transformers] extra add
     ) from None
 
 from otel_llm.integrations.transformers import internals
-from otel_llm.integrations.transformers.observer import BatchObserver
+from otel_llm.integrations.transformers.observer import BatchObserver, starved_ids
 from otel_llm.integrations.transformers.package import _instruments
 from otel_llm.integrations.transformers.serve import TraceContextMiddleware, current_carrier
 
@@ -206,17 +206,18 @@ class _Instrumentation:
     def _offload_requests(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def offload_requests(manager: Any, *args: Any, **kwargs: Any) -> Any:
             observer = getattr(self.current, "observer", None)
-            before = None
+            before = starved = None
             if observer is not None:
                 try:
                     before = dict(manager.scheduler.active_requests)
+                    starved = starved_ids(manager.scheduler)  # popped in place: the causes are left
                 except Exception:  # noqa: BLE001 - never into transformers
                     self._drop_current("OffloadingManager.offload_requests")
             result = original(manager, *args, **kwargs)
             observer = getattr(self.current, "observer", None)
             if observer is not None and before is not None:
                 try:
-                    observer.offloaded(before, manager.scheduler)
+                    observer.offloaded(before, manager.scheduler, starved)
                 except Exception:  # noqa: BLE001 - never into transformers
                     self._drop_current("OffloadingManager.offload_requests")
             return result

@@ -9,8 +9,9 @@ does the same for the fields of ``RequestState`` that the observer reads.
 
 The observer also reads, at run time and guarded: ``Scheduler.active_requests`` /
 ``waiting_requests``, ``PagedAttentionCache.compute_free_capacity()`` (KV-cache usage), the
-batch's ``FutureRequestState.query_length`` (tokens per step) and the model config's
-``name_or_path`` (the model label).
+batch's ``FutureRequestState.query_length`` (tokens per step), the model config's
+``name_or_path`` (the model label) and ``Scheduler.starved_requests`` (the causes of evictions:
+``observer.starved_ids``, unknown when it is not as relied on).
 """
 
 from __future__ import annotations

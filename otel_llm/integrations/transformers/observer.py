@@ -5,9 +5,10 @@ called by the instrumentor's wrappers on transformers' generation thread:
 
 - ``queued(state)``: ``Scheduler.add_waiting_request`` of a request not seen before: ARRIVED (at
   the request's own ``created_time``) and QUEUED; the same id again is an evicted request re-queued.
-- ``offloaded(before, scheduler)``: after ``OffloadingManager.offload_requests``: each request that
-  left the active set for the waiting queue was evicted: PREEMPTED, with the tokens whose KV cache
-  was freed (``position_offset``; 0 when the cache went to CPU and comes back).
+- ``offloaded(before, scheduler, starved)``: after ``OffloadingManager.offload_requests``: each
+  request that left the active set for the waiting queue was evicted: PREEMPTED, with the tokens
+  whose KV cache was freed (``position_offset``; 0 when the cache went to CPU and comes back) and
+  its causes (below).
 - ``batch_prepared(processor)``: after ``prepare_next_batch``: each active request not yet running
   was SCHEDULED (started, or resumed after an eviction).
 - ``batch_updated(processor)``: after ``update_batch``: FIRST_TOKEN / TOKENS for the new output
@@ -15,6 +16,15 @@ called by the instrumentor's wrappers on transformers' generation thread:
 - ``cancelled(states)`` (``clear_cancelled_requests``): FINISHED ``abort``; ``failed(state)``
   (``OutputRouter.fail_and_deliver``): FINISHED ``error`` (ARRIVED first for a request the
   scheduler never saw).
+
+The cause of an eviction: ``offload_requests`` takes its victims from
+``Scheduler.starved_requests`` (the active requests that could not get the KV blocks of the batch
+being prepared, in scheduling order), popping the last one until the starved requests left can
+all allocate, or one active request is left. The starved requests left are the causes of every
+eviction of that call (a set; a victim is never among them); none left: every starved request was
+evicted for its own KV demand (the batch just scheduled is never touched), each its own cause.
+When the starved requests cannot be read, or the victims are not the ones popped (another
+release's logic), the causes are unknown, with one warning: never a guessed cause.
 
 A soft reset folds a request's output into a new prompt (a new ``RequestState``, same id, no
 generated tokens): the tokens generated before are kept in ``_Request.base`` so that the output
@@ -24,9 +34,11 @@ count goes on where it was. Timestamps are ``time.monotonic()``; transformers st
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from collections import OrderedDict
-from typing import Any, Iterable, Optional
+from typing import Any, Collection, Iterable, Optional
 
 from otel_llm.events import EventType, RequestEvent, StepStats
 
@@ -35,6 +47,8 @@ CPU_OFFLOAD_REASON = "kv_cache_full_cpu_offload"  # KV cache copied to CPU, rest
 FINISHED_STATUS = 3  # RequestStatus.FINISHED; FAILED (4) above it (internals.check_request_state)
 FAILED_STATUS = 4
 _PERF_TO_MONOTONIC = time.monotonic() - time.perf_counter()
+_log = logging.getLogger(__name__)
+_warned = threading.Event()  # the warning that causes are unknown: once
 
 
 class _Request:
@@ -88,17 +102,20 @@ class BatchObserver:
             RequestEvent(EventType.QUEUED, rid, ts),
         )
 
-    def offloaded(self, before: dict[str, Any], scheduler: Any) -> None:
-        """``before``: the active requests when offload_requests was called."""
+    def offloaded(self, before: dict[str, Any], scheduler: Any, starved: Optional[list[str]]) -> None:
+        """``before``, ``starved``: the active requests and the starved ones' ids
+        (``starved_ids``) when offload_requests was called."""
         active, waiting = scheduler.active_requests, scheduler.waiting_requests
+        victims = [rid for rid in before if rid not in active and rid in waiting]
+        if not victims:
+            return
+        causes = kept_starved(victims, starved, starved_ids(scheduler))
         now = time.monotonic()
-        for rid, old in before.items():
-            if rid in active or rid not in waiting:
-                continue
+        for rid in victims:
             req = self._requests.get(rid)
             if req is None:
                 continue
-            new = waiting[rid]
+            old, new = before[rid], waiting[rid]
             soft_reset = new is not old
             if not req.running:  # became active within this same call, then evicted
                 self._events.append(RequestEvent(EventType.SCHEDULED, rid, now))
@@ -109,6 +126,7 @@ class BatchObserver:
                     now,
                     num_computed_tokens=old.position_offset if soft_reset else 0,
                     reason=PREEMPTION_REASON if soft_reset else CPU_OFFLOAD_REASON,
+                    causes=() if causes is None else causes or (rid,),
                 )
             )
             if soft_reset:
@@ -213,3 +231,38 @@ def _step(processor: Any, now: float, batched_tokens: Optional[int]) -> StepStat
         kv_cache_usage=min(1.0, max(0.0, 1.0 - float(free))),
         num_batched_tokens=batched_tokens,
     )
+
+
+def starved_ids(scheduler: Any) -> Optional[list[str]]:
+    """The request ids of ``scheduler.starved_requests`` (``(state, tokens)`` pairs), in order;
+    ``None`` when that is not what it holds."""
+    starved = getattr(scheduler, "starved_requests", None)
+    if not isinstance(starved, list):
+        return None
+    ids = []
+    for entry in starved:
+        rid = getattr(entry[0], "request_id", None) if isinstance(entry, tuple) and entry else None
+        if not isinstance(rid, str):
+            return None
+        ids.append(rid)
+    return ids
+
+
+def kept_starved(
+    victims: Collection[str], before: Optional[list[str]], after: Optional[list[str]]
+) -> Optional[tuple[str, ...]]:
+    """The starved requests that one ``offload_requests`` call kept (``before`` and ``after`` it),
+    the causes of its ``victims``; ``()``: none kept, each victim its own cause; ``None``: the
+    engine cannot say."""
+    if before is not None and after is not None and before[: len(after)] == after:
+        if set(before[len(after) :]) == set(victims):
+            return tuple(after)
+    if not _warned.is_set():
+        _warned.set()
+        _log.warning(
+            "otel-llm transformers instrumentation: the evicted requests are not the starved requests that "
+            "OffloadingManager.offload_requests popped (Scheduler.starved_requests %s); the causes of "
+            "evictions are unknown (logged once)",
+            "unreadable" if before is None or after is None else "not as relied on",
+        )
+    return None
