@@ -7,6 +7,7 @@ import os
 import sys
 import threading
 import time
+from collections import Counter, defaultdict
 from typing import Any, Optional
 
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
@@ -20,29 +21,43 @@ from otel_llm.cli.render import (
     print_chart,
     print_fields,
     print_worst,
+    print_worst_evictors,
     write_plot,
 )
 from otel_llm.config.settings import TelemetryConfig
 from otel_llm.stack.drilldown import Stack, drill_down, print_drilldown, telemetry_settings
 
+HISTOGRAMS = ("request_num_preemptions", "request_num_preemptions_caused")  # drilled down into on --stack
 TORCH_MISSING = "pip install 'otel-llm[engine]' (torch==2.13.0 first for the CPU build), or run `make demo`"
 
 
 class RequestTraces(SpanProcessor):
-    """Keeps each finished request span's trace id and preemption count, by request id, and
-    counts the requests that ran to their end (finish reason ``stop`` or ``length``)."""
+    """From each finished request span, by request id: its preemption count and trace id
+    (``by_request``), the preemptions it caused and its trace id (``caused``), and whom it evicted
+    (``victims``: victim id to times, from the victims' ``preempted`` events, which name their
+    causes); and the requests that ran to their end (finish reason ``stop`` or ``length``)."""
 
     def __init__(self) -> None:
         self.by_request: dict[str, tuple[int, str]] = {}
+        self.caused: dict[str, tuple[int, str]] = {}
+        self.victims: dict[str, Counter[str]] = defaultdict(Counter)
         self.completed = 0
 
     def on_end(self, span: ReadableSpan) -> None:
         attributes = span.attributes or {}
         request_id = attributes.get("gen_ai.request.id")
         if span.name == "llm_request" and request_id is not None and span.context is not None:
-            count = int(attributes.get("llm.request.num_preemptions", 0))  # type: ignore[arg-type]  # an attribute value: the int the telemetry set
-            self.by_request[str(request_id)] = (count, format(span.context.trace_id, "032x"))
-            if set(attributes.get("gen_ai.response.finish_reasons", ())) <= {"stop", "length"}:  # type: ignore[arg-type]  # an attribute value: the tuple the telemetry set
+            trace_id = format(span.context.trace_id, "032x")
+            # Attribute values: the ints and tuples the telemetry set.
+            count = int(attributes.get("llm.request.num_preemptions", 0))  # type: ignore[arg-type]
+            caused = int(attributes.get("llm.request.num_preemptions_caused", 0))  # type: ignore[arg-type]
+            self.by_request[str(request_id)] = (count, trace_id)
+            self.caused[str(request_id)] = (caused, trace_id)
+            for event in span.events:
+                if event.name == "preempted":
+                    for cause in (event.attributes or {}).get("cause_request_ids", ()):  # type: ignore[union-attr]
+                        self.victims[str(cause)][str(request_id)] += 1
+            if set(attributes.get("gen_ai.response.finish_reasons", ())) <= {"stop", "length"}:  # type: ignore[arg-type]
                 self.completed += "llm.request.incomplete" not in attributes
 
 
@@ -145,8 +160,15 @@ def demo(args: argparse.Namespace, stack: Optional[Stack] = None) -> int:
             handle.force_flush()
             print_summary(args, config, engine, result, reader, traces)
             if stack is not None:
-                histogram_name = BY_KEY["request_num_preemptions"].name(config.naming)
-                print_drilldown(drill_down(stack, histogram_name, traces.by_request, args.top, started), len(requests))
+                suffered, caused = (BY_KEY[key].name(config.naming) for key in HISTOGRAMS)
+                sections = [
+                    (title, unit, drill_down(stack, histogram, requests, args.top, started))
+                    for title, unit, histogram, requests in (
+                        ("worst requests", "preemptions", suffered, traces.by_request),
+                        ("worst evictors", "caused", caused, traces.caused),
+                    )
+                ]
+                print_drilldown(sections, len(requests))
                 print(flush=True)
             if args.serve_seconds > 0:
                 url = f"http://{args.prometheus_host}:{handle.prometheus_port}/metrics"
@@ -184,8 +206,17 @@ def print_summary(
     histogram_name = BY_KEY["request_num_preemptions"].name(config.naming)
     histogram = PreemptionHistogram.from_point(_histogram_point(reader, histogram_name))
     ground_truth = [o.num_preemptions for o in result.outputs]
-    agrees = sorted(ground_truth) == sorted(c for c, _ in traces.by_request.values()) and histogram.sum == sum(
-        ground_truth
+    # The engine records who evicted whom at its preemption point: the telemetry must say the same.
+    evicted: dict[str, Counter[str]] = defaultdict(Counter)
+    for o in result.outputs:
+        for cause in o.preempted_by:
+            evicted[cause][o.request_id] += 1
+    agrees = (
+        {o.request_id: o.num_preemptions for o in result.outputs} == {r: c for r, (c, _) in traces.by_request.items()}
+        and histogram.sum == sum(ground_truth)
+        and {o.request_id: o.num_preemptions_caused for o in result.outputs}
+        == {r: c for r, (c, _) in traces.caused.items()}
+        and dict(evicted) == {r: v for r, v in traces.victims.items() if v}
     )
     c = engine.config
     print(
@@ -207,6 +238,8 @@ def print_summary(
     labels = print_chart(histogram_name, histogram)
     print()
     print_worst(traces.by_request, args.top)
+    print()
+    print_worst_evictors(traces.caused, traces.victims, args.top)
     if args.plot:
         write_plot(args.plot, labels, histogram.counts, f"{histogram_name} ({histogram.count} requests)")
         print(f"\nchart written to {args.plot}")

@@ -1,5 +1,5 @@
 """What the demos print on a terminal: progress, the preemption histogram as a bar chart, the
-worst requests, the summary."""
+worst requests and the worst evictors, the summary."""
 
 from __future__ import annotations
 
@@ -157,6 +157,31 @@ def print_worst(by_request: Mapping[str, tuple[int, str]], top: int) -> None:
     print("worst requests")
     for request_id, (count, trace_id) in worst:
         print(f"  {request_id}  {count:3d} preemptions  trace_id {trace_id}")
+
+
+def evicted_brief(victims: Mapping[str, int], evictor: str, shown: int = 3) -> str:
+    """Whom ``evictor`` evicted, in brief: the ``shown`` requests it evicted most often, ``itself``
+    where it was its own cause, with the times each; then how many others, how many times."""
+    ranked = sorted(victims.items(), key=lambda kv: (-kv[1], kv[0]))
+    named = [f"{'itself' if victim == evictor else victim} x{n}" for victim, n in ranked[:shown]]
+    rest = ranked[shown:]
+    if rest:
+        named.append(f"+{len(rest)} others x{sum(n for _, n in rest)}")
+    return ", ".join(named) or "(no victim's span names it)"
+
+
+def print_worst_evictors(
+    caused: Mapping[str, tuple[int, str]], victims: Mapping[str, Mapping[str, int]], top: int
+) -> None:
+    """The ``top`` requests whose KV demand caused the most preemptions: ``caused`` maps id to
+    (that count, trace id), ``victims`` id to whom it evicted (victim id to times)."""
+    ranked = sorted(((r, v) for r, v in caused.items() if v[0] > 0), key=lambda kv: (-kv[1][0], kv[0]))[:top]
+    print("worst evictors")
+    if not ranked:
+        print("  none: no preemption names a request as its cause")
+    for request_id, (count, trace_id) in ranked:
+        brief = evicted_brief(victims.get(request_id, {}), request_id)
+        print(f"  {request_id}  {count:3d} preemptions caused  trace_id {trace_id}  evicted {brief}")
 
 
 SPINNER = "|/-\\"

@@ -5,6 +5,11 @@ large and pins its own dependencies) takes OTLP/HTTP traces at ``/v1/traces`` on
 UI and REST API. Its gRPC server binds every interface whatever it is told, so Phoenix runs in a
 network namespace of its own (:mod:`otel_llm.stack.netns`) and only its HTTP port is reachable,
 on 127.0.0.1.
+
+Phoenix keeps no span links (read in arize-phoenix 20.26: its OTLP decoder, ``decode_otlp_span``
+in ``phoenix/trace/otel.py``, never reads them, its span table has no column for them, and neither
+its REST spans nor its GraphQL ``Span`` has a field for them). A request span is found by its
+request id instead (:meth:`Phoenix.request_span`), which is how a victim leads to its evictor.
 """
 
 from __future__ import annotations
@@ -20,11 +25,12 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 from otel_llm.config.settings import from_environment
 from otel_llm.stack.netns import IsolationUnavailable, start_isolated
 
+REQUEST_ID = "gen_ai.request.id"  # the request span's attribute that names its request
 VENV = ".venv-phoenix"  # where `make setup-phoenix` installs it, in the repository
 ENV_EXECUTABLE = "OTEL_LLM_PHOENIX"  # the `phoenix` executable, where it is elsewhere
 READY_TIMEOUT_S = 120.0  # Phoenix is ready in about 20 s on two idle cores
@@ -68,14 +74,22 @@ class Phoenix:
             return json.loads(resp.read())
 
     def spans(
-        self, trace_id: Optional[str] = None, name: Optional[str] = None, project: str = "default", page_size: int = 100
+        self,
+        trace_id: Optional[str] = None,
+        name: Optional[str] = None,
+        project: str = "default",
+        page_size: int = 100,
+        attributes: Optional[Mapping[str, str]] = None,
     ) -> list[dict[str, Any]]:
-        """The spans in ``project``, of the trace ``trace_id`` (32 hex digits) and named ``name``
-        where given, page after page (each page's ``next_cursor`` asks for the next)."""
+        """The spans in ``project``, of the trace ``trace_id`` (32 hex digits), named ``name`` and
+        with each of the string ``attributes`` where given, page after page (each page's
+        ``next_cursor`` asks for the next)."""
         spans: list[dict[str, Any]] = []
         params = [("limit", str(page_size))]
         params += [("trace_id", trace_id)] if trace_id else []
         params += [("name", name)] if name else []
+        # Phoenix parses a filter's value as JSON: quoted, an id such as 12 stays a string.
+        params += [("attribute", f"{key}:{json.dumps(value)}") for key, value in (attributes or {}).items()]
         cursor: Optional[str] = None
         while True:
             body = self.get(f"/v1/projects/{project}/spans", params + ([("cursor", cursor)] if cursor else []))
@@ -89,15 +103,35 @@ class Phoenix:
     ) -> list[dict[str, Any]]:
         """The trace's spans once ``found(spans)`` holds: Phoenix stores what it receives in batches,
         so a span exported a moment ago may not be readable yet. TraceNotFound after ``timeout_s``."""
+        return self._wait(lambda: self.spans(trace_id), found, timeout_s, f"trace {trace_id}")
+
+    def request_span(self, request_id: str, timeout_s: float = 30.0) -> dict[str, Any]:
+        """The ``llm_request`` span of the request ``request_id`` (its ``gen_ai.request.id``), once
+        Phoenix holds it; TraceNotFound after ``timeout_s``, or where it holds more than one."""
+        [span] = self._wait(
+            lambda: self.spans(name="llm_request", attributes={REQUEST_ID: request_id}),
+            lambda spans: len(spans) == 1,
+            timeout_s,
+            f"request span of {request_id}",
+        )
+        return span
+
+    def _wait(
+        self,
+        read: Callable[[], list[dict[str, Any]]],
+        found: Callable[[list[dict[str, Any]]], bool],
+        timeout_s: float,
+        what: str,
+    ) -> list[dict[str, Any]]:
         deadline = time.monotonic() + timeout_s
         while True:
-            spans = self.spans(trace_id)
+            spans = read()
             if found(spans):
                 return spans
             if time.monotonic() >= deadline:
                 names = sorted(s.get("name", "?") for s in spans)
                 raise TraceNotFound(
-                    f"trace {trace_id} not in Phoenix at {self.url} after {timeout_s:g} s "
+                    f"{what} not in Phoenix at {self.url} after {timeout_s:g} s "
                     f"({len(spans)} spans of it there: {names})"
                 )
             time.sleep(0.2)

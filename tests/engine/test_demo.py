@@ -1,4 +1,5 @@
-"""`otel-llm demo`, run small: what its summary says is what its /metrics endpoint serves."""
+"""`otel-llm demo`, run small: what its summary says is what its /metrics endpoint serves, and the
+worst evictors it names are the ones the engine recorded at its preemption points."""
 
 from __future__ import annotations
 
@@ -14,11 +15,14 @@ import subprocess
 import sys
 import threading
 import urllib.request
+from collections import Counter
 from itertools import accumulate
 from pathlib import Path
-from typing import Iterator, TypedDict
+from typing import Any, Iterator, Mapping, NamedTuple, TypedDict
 
 import pytest
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from otel_llm.cli.render import Progress, bar_chart, bucket_labels
 
@@ -75,6 +79,47 @@ def parse_summary(lines: list[str]) -> Summary:
         if (m := re.match(r"\s+(req-\d+)\s+(\d+) preemptions\s+trace_id ([0-9a-f]{32})$", line))
     ]
     return Summary(requests=fields["requests"], preemptions=fields["preemptions"], buckets=buckets, worst=worst)
+
+
+class Evictor(NamedTuple):
+    request_id: str
+    caused: int
+    trace_id: str
+    evicted: list[tuple[str, int]]  # (victim, times) as listed; "itself" where it was its own cause
+    others: tuple[int, int]  # (requests, times) summed up as "+N others xM"
+
+
+EVICTOR = re.compile(r"\s+(req-\d+)\s+(\d+) preemptions caused  trace_id ([0-9a-f]{32})  evicted (.*)$")
+
+
+def parse_evictors(lines: list[str]) -> list[Evictor]:
+    """The lines under "worst evictors"."""
+    evictors = []
+    for line in lines:
+        if m := EVICTOR.match(line):
+            listed, others = [], (0, 0)
+            for part in m.group(4).split(", "):
+                if o := re.fullmatch(r"\+(\d+) others x(\d+)", part):
+                    others = (int(o.group(1)), int(o.group(2)))
+                else:
+                    victim, times = part.split(" x")
+                    listed.append((victim, int(times)))
+            evictors.append(Evictor(m.group(1), int(m.group(2)), m.group(3), listed, others))
+    return evictors
+
+
+def check_evictors(evictors: list[Evictor], caused: Mapping[str, int], victims: Mapping[str, Counter[str]]) -> None:
+    """The worst evictors listed are the top 5 of ``caused`` (most first, then by id), each with
+    whom it evicted as ``victims`` has it: the three it evicted most, then the others summed up."""
+    assert [e.request_id for e in evictors] == sorted((r for r in caused if caused[r]), key=lambda r: (-caused[r], r))[
+        :5
+    ]
+    for e in evictors:
+        assert e.caused == caused[e.request_id]
+        ranked = sorted(victims[e.request_id].items(), key=lambda kv: (-kv[1], kv[0]))
+        named = [("itself" if victim == e.request_id else victim, n) for victim, n in ranked]
+        assert e.evicted == named[:3], e
+        assert e.others == (len(named[3:]), sum(n for _, n in named[3:])), e
 
 
 def parse_scrape(text: str) -> dict[str, float]:
@@ -149,6 +194,59 @@ def test_demo_summary_matches_its_metrics_endpoint(tmp_path: Path) -> None:
     assert low <= worst[0][1] <= high
     assert [count for _, count, _ in worst] == sorted((count for _, count, _ in worst), reverse=True)
     assert len({trace for _, _, trace in worst}) == 5
+
+    # Each preemption here has one cause: the preemptions caused add up to the preemptions.
+    assert one(samples, "vllm:request_num_preemptions_caused_sum") == summary["preemptions"]
+    evictors = parse_evictors(lines)
+    assert len(evictors) == 5 and evictors[0].caused == max(e.caused for e in evictors)
+
+
+def test_demo_names_the_worst_evictors_as_the_engine_recorded_them(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """In process, to read the engine's outputs (its own record of each preemption's cause) and
+    the request spans as exported, beside what the demo prints."""
+    import engine_stub.workload
+    import otel_llm.integrations.engine_stub as integration
+    from otel_llm.cli import main
+
+    results: list[Any] = []
+    run_workload, register = engine_stub.workload.run_workload, integration.register
+
+    def recorded_run(*args: Any, **kwargs: Any) -> Any:
+        results.append(run_workload(*args, **kwargs))
+        return results[-1]
+
+    exported = InMemorySpanExporter()
+
+    def register_also_in_memory(*args: Any, extra_span_processors: Any = (), **kwargs: Any) -> Any:
+        processors = [*extra_span_processors, SimpleSpanProcessor(exported)]
+        return register(*args, extra_span_processors=processors, **kwargs)
+
+    monkeypatch.setattr(engine_stub.workload, "run_workload", recorded_run)
+    monkeypatch.setattr(integration, "register", register_also_in_memory)
+    assert main(["demo", "--requests", "200", "--prometheus-port", "0", "--no-progress"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "ground truth   telemetry equals the engine" in lines
+
+    [result] = results
+    caused = {o.request_id: o.num_preemptions_caused for o in result.outputs}
+    victims: dict[str, Counter[str]] = {r: Counter() for r in caused}
+    for o in result.outputs:
+        for cause in o.preempted_by:
+            victims[cause][o.request_id] += 1
+    evictors = parse_evictors(lines)
+    check_evictors(evictors, caused, victims)
+    traces = {
+        str((span.attributes or {})["gen_ai.request.id"]): format(span.context.trace_id, "032x")
+        for span in exported.get_finished_spans()
+        if span.name == "llm_request" and span.context is not None
+    }
+    assert [e.trace_id for e in evictors] == [traces[e.request_id] for e in evictors]
+    # This load has every kind of line: an evictor of itself only, of itself and others, of others only.
+    kinds = {(any(v == "itself" for v, _ in e.evicted), any(v != "itself" for v, _ in e.evicted)) for e in evictors}
+    assert kinds == {(True, False), (True, True), (False, True)}
+    assert any(e.others != (0, 0) for e in evictors)
 
 
 PROGRESS_LINE = re.compile(r"\s*(\d+)% \[[#.]{40}\] (\d+)/(\d+) finished \| ")
