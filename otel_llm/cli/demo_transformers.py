@@ -2,8 +2,9 @@
 seeded random weights and too little KV cache, instrumented by TransformersInstrumentor.
 
 The summary is ``make demo``'s: the per-request preemption chart from the telemetry, the worst
-requests' trace ids, and whether the telemetry equals the engine: its evictions as transformers'
-own log line counts them, and its outputs.
+requests' trace ids, the worst evictors (the requests whose KV demand caused the most evictions,
+and whom they evicted, as the telemetry has them), and whether the telemetry equals the engine:
+its evictions as transformers' own log line counts them, and its outputs.
 """
 
 from __future__ import annotations
@@ -21,7 +22,14 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from otel_llm.catalogue.metrics import BY_KEY
 from otel_llm.cli.demo import RequestTraces, _histogram_point, _otlp_configured
-from otel_llm.cli.render import THRASHING, PreemptionHistogram, print_chart, print_fields, print_worst
+from otel_llm.cli.render import (
+    THRASHING,
+    PreemptionHistogram,
+    print_chart,
+    print_fields,
+    print_worst,
+    print_worst_evictors,
+)
 from otel_llm.config.settings import TelemetryConfig
 
 MODEL_NAME = "transformers-tiny"
@@ -127,6 +135,8 @@ def demo_transformers(args: argparse.Namespace) -> int:
             print_chart(histogram_name, histogram)
             print()
             print_worst(traces.by_request, args.top)
+            print()
+            print_worst_evictors(traces.caused, traces.victims, args.top)
             print(flush=True)
             if args.serve_seconds > 0:
                 url = f"http://{args.prometheus_host}:{handle.prometheus_port}/metrics"

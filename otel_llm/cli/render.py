@@ -155,8 +155,9 @@ def print_worst(by_request: Mapping[str, tuple[int, str]], top: int) -> None:
     """The ``top`` requests with the most preemptions: ``by_request`` maps id to (count, trace id)."""
     worst = sorted(by_request.items(), key=lambda kv: (-kv[1][0], kv[0]))[:top]
     print("worst requests")
+    width = max((len(request_id) for request_id, _ in worst), default=0)
     for request_id, (count, trace_id) in worst:
-        print(f"  {request_id}  {count:3d} preemptions  trace_id {trace_id}")
+        print(f"  {request_id:<{width}}  {count:3d} preemptions  trace_id {trace_id}")
 
 
 def evicted_brief(victims: Mapping[str, int], evictor: str, shown: int = 3) -> str:
@@ -179,9 +180,10 @@ def print_worst_evictors(
     print("worst evictors")
     if not ranked:
         print("  none: no preemption names a request as its cause")
+    width = max((len(request_id) for request_id, _ in ranked), default=0)
     for request_id, (count, trace_id) in ranked:
         brief = evicted_brief(victims.get(request_id, {}), request_id)
-        print(f"  {request_id}  {count:3d} preemptions caused  trace_id {trace_id}  evicted {brief}")
+        print(f"  {request_id:<{width}}  {count:3d} preemptions caused  trace_id {trace_id}  evicted {brief}")
 
 
 SPINNER = "|/-\\"

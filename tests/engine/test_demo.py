@@ -89,7 +89,7 @@ class Evictor(NamedTuple):
     others: tuple[int, int]  # (requests, times) summed up as "+N others xM"
 
 
-EVICTOR = re.compile(r"\s+(req-\d+)\s+(\d+) preemptions caused  trace_id ([0-9a-f]{32})  evicted (.*)$")
+EVICTOR = re.compile(r"\s+(req[-_]\d+)\s+(\d+) preemptions caused  trace_id ([0-9a-f]{32})  evicted (.*)$")
 
 
 def parse_evictors(lines: list[str]) -> list[Evictor]:
