@@ -8,20 +8,27 @@ in the caller's trace, whichever process served it. The scheduler gauges (runnin
 usage, waiting by reason) are vLLM's "most recent over the API servers": exactly one process
 exports them per engine, and their sum equals vLLM's, after the load and in the middle of one
 (held still by vLLM's /pause?mode=keep, a dev-mode endpoint, so both sides read the same state).
+Every preemption's cause, as the engine cores recorded it (tests/vllm_engine/preemption_truth),
+reaches the API server of its victim, and every cause's own server counts it.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 import urllib.request
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any, Optional
 
 import pytest
 
+from otel_llm.testing.span_receiver import span_attributes
 from otel_llm.testing.vllm.server import MODEL_NAME, Load, VllmServer, run_load, scrape, traceparent
 from tests.support.backends import start_otlp_sink, wait_until
+
+TRUTH_RECORDER = Path(__file__).resolve().parent / "preemption_truth"
 
 LOAD = Load(requests=32, concurrency=32, max_tokens=48, seed=3)
 # Held mid-flight by a pause: long requests, four times as many as vLLM runs at once (16, and
@@ -180,7 +187,8 @@ def _hold_once(
     params=[["--api-server-count", "2"], ["--data-parallel-size", "2"]],
     ids=["api-server-count-2", "data-parallel-size-2"],
 )
-def scaled(request: Any, tiny_model: Path) -> dict[str, Any]:
+def scaled(request: Any, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    truth_file = tmp_path_factory.mktemp("truth") / "preemptions.jsonl"
     with start_otlp_sink("grpc") as sink:
         env = {
             "VLLM_SERVER_DEV_MODE": "1",
@@ -191,6 +199,8 @@ def scaled(request: Any, tiny_model: Path) -> dict[str, Any]:
             "OTEL_METRIC_EXPORT_INTERVAL": "500",
             "OTEL_BSP_SCHEDULE_DELAY": "200",
             "OTEL_LLM_VLLM_DEEP_HOOK": "1",
+            "PYTHONPATH": os.pathsep.join(p for p in (str(TRUTH_RECORDER), os.environ.get("PYTHONPATH")) if p),
+            "OTEL_LLM_TEST_PREEMPTION_TRUTH": str(truth_file),
         }
         with VllmServer(tiny_model, env=env, args=request.param, cli=True) as server:
             completions = run_load(server.url, LOAD)
@@ -209,6 +219,7 @@ def scaled(request: Any, tiny_model: Path) -> dict[str, Any]:
                 raise AssertionError(f"sums over processes differ from vLLM's: {differ()}") from None
             wait_until(lambda: len(sink.spans()) >= LOAD.requests, 60, interval=0.25, what="every request span")
             ours, instances = _summed_over_processes(sink)
+            truth = [json.loads(line) for line in truth_file.read_text().splitlines()]  # the load's alone
             engines = {"0", "1"} if "--data-parallel-size" in request.param else {"0"}
             drained = _gauges(server, sink)
             return {
@@ -216,6 +227,7 @@ def scaled(request: Any, tiny_model: Path) -> dict[str, Any]:
                 "ours": ours,
                 "instances": instances,
                 "spans": list(sink.spans()),
+                "truth": truth,
                 "log": server.log_text(),
                 "engines": engines,
                 "drained": drained,
@@ -248,6 +260,43 @@ def test_one_span_per_request_in_the_callers_trace_whichever_process_served_it(s
     for i in range(LOAD.requests):
         _, trace_id, span_id = traceparent(i, LOAD.seed)
         assert by_trace[trace_id].parent_span_id.hex() == span_id
+
+
+def test_every_preemption_s_cause_reaches_its_victim_s_server_and_its_cause_s(scaled: dict[str, Any]) -> None:
+    """Each engine core tells every API server; each applies what it has: its victims' causes,
+    and the preemptions its requests caused. A cause served by the other API server is named by
+    vLLM's internal id, without a link (its span is the other process's)."""
+    truth, spans = scaled["truth"], [s for s in scaled["spans"] if s.name == "llm_request"]
+    assert truth and all(t["where"] == "schedule" for t in truth)
+    by_id = {span_attributes(s)["gen_ai.request.id"]: s for s in spans}
+    external = {t["victim"]: t["victim"].rsplit("-", 1)[0] for t in truth} | {
+        t["cause"]: t["cause"].rsplit("-", 1)[0] for t in truth
+    }
+    for t in truth:
+        span = by_id[external[t["victim"]]]
+        event = [span_attributes(e) for e in span.events if e.name == "preempted"][t["ordinal"] - 1]
+        assert event["cause"] == ("self" if t["cause"] == t["victim"] else "request"), t
+        (named,) = event["cause_request_ids"]
+        links = {
+            (span_attributes(link)["llm.preemption.ordinal"], link.span_id)
+            for link in span.links
+            if span_attributes(link)["llm.preemption.ordinal"] == t["ordinal"]
+        }
+        if t["cause"] == t["victim"]:
+            assert named == external[t["victim"]] and not links, t
+        elif named == external[t["cause"]]:  # served by the same API server: linked
+            assert links == {(t["ordinal"], by_id[named].span_id)}, t
+        else:
+            assert named == t["cause"] and not links, t
+    caused = Counter(external[t["cause"]] for t in truth)
+    for rid, span in by_id.items():
+        assert span_attributes(span)["llm.request.num_preemptions_caused"] == caused.get(rid, 0), rid
+    by_cause: Counter[str] = Counter()
+    for (name, labels), value in scaled["ours"].items():
+        if name == "vllm:num_preemptions_by_cause_total":
+            by_cause[dict(labels)["cause"]] += value
+    kinds = Counter("self" if t["cause"] == t["victim"] else "request" for t in truth)
+    assert {k: v for k, v in by_cause.items() if v} == dict(kinds)
 
 
 def _per_engine(gauges: dict[tuple[str, frozenset], float], name: str) -> dict[str, float]:

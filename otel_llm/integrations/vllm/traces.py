@@ -2,7 +2,7 @@
 vLLM's per-request ``RequestStateStats``, so that it lives and dies with the request), the
 requests that ended without vLLM's stats (:data:`ended`), and the requests in flight by vLLM's
 internal request id (:data:`in_flight`), through which the causes of preemptions that the
-engine core reports (:mod:`.causes`) reach the traces of both the victim and its cause."""
+engine core reports (:mod:`.attribution`) reach the traces of both the victim and its cause."""
 
 from __future__ import annotations
 
