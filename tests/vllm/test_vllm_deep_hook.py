@@ -267,3 +267,47 @@ def test_the_trace_headers_reach_the_request_passed_by_keyword_or_position(monke
         vllm_deep_hook.uninstall()
     assert seen == [headers, headers, None, None]
     assert vllm_deep_hook._adding_headers.get() is None
+
+
+def test_the_causes_are_read_from_this_vllms_scheduler_and_another_shape_is_refused():
+    """vLLM's own Scheduler has what the engine core's cause reports read (its loop's locals are
+    closure cells); a scheduler whose ``schedule`` is its own code, or whose ``_preempt_request``
+    takes other parameters, is refused (its causes unknown), and a call from anywhere but vLLM's
+    loop reports ``unknown``, never a guessed cause."""
+    import sys
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from otel_llm.integrations.vllm import engine_core
+
+    assert engine_core.shape_problem(Scheduler) is None
+
+    class OwnLoop(Scheduler):
+        def schedule(self, *args, **kwargs):
+            return None
+
+    class OtherParameters(Scheduler):
+        def _preempt_request(self, victim, when):
+            return None
+
+    assert "no locals" in engine_core.shape_problem(OwnLoop)
+    assert "parameters" in engine_core.shape_problem(OtherParameters)
+
+    sent = []
+
+    class Victim:
+        request_id, num_preemptions = "v-1", 1
+
+    class Sender:
+        send = sent.append
+
+    engine_core._sender[:] = [Sender()]
+    try:
+
+        def schedule():  # named as vLLM's, without its locals
+            engine_core.report(Victim(), sys._getframe(0))
+
+        schedule()
+    finally:
+        engine_core._sender.clear()
+    assert [(r.victim, r.ordinal, r.kind, r.causes) for r in sent] == [("v-1", 1, "unknown", ())]
