@@ -7,16 +7,24 @@ import argparse
 import sys
 
 from . import generated_files
+from .profiles import EVICTOR_THRESHOLD
 from .sdk import WrongSDK
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m collector.generate", description=__doc__)
     parser.add_argument("--check", action="store_true", help="compare with the files on disk, write nothing")
+    parser.add_argument(
+        "--evictor-threshold",
+        type=float,
+        default=EVICTOR_THRESHOLD,
+        help=f"alert on a request that caused more preemptions than this, a preemption bucket boundary "
+        f"(default {EVICTOR_THRESHOLD:g}; the rules' unit tests are written for the default)",
+    )
     args = parser.parse_args(argv)
     try:
-        files = generated_files()
-    except WrongSDK as exc:
+        files = generated_files(args.evictor_threshold)
+    except (WrongSDK, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     stale = [path for path, text in files.items() if not path.is_file() or path.read_text() != text]

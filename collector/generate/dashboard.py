@@ -291,6 +291,7 @@ class _Builder:
                 unit="short",
             )
         )
+        panels += self._evictor_panels()
         panels.append(
             self.timeseries(
                 "Time spent preempted per request: p50 / p90 / p99",
@@ -301,6 +302,38 @@ class _Builder:
             )
         )
         return panels
+
+    def _evictor_panels(self) -> list[Any]:
+        """Who evicts: the preemptions each finished request caused, and preemptions by cause."""
+        p, who = self.p, self.who
+        key = "request_num_preemptions_caused"
+        cause = p.extra_label("num_preemptions_by_cause")
+        threshold = f"{p.evictor_threshold:g}"
+        count, above = self.sel(p.count(key)), self.sel(p.bucket(key), f"le{p.evictor_le}")
+        evictors = (
+            f"sum by ({self.by}) (rate({count}[$__rate_interval])) - "
+            f"sum by ({self.by}) (rate({above}[$__rate_interval]))"
+        )
+        return [
+            self.timeseries(
+                "Who evicts: preemptions caused per request, p50 / p90 / p99",
+                f"Preemptions (of other requests or itself) that a finished request's KV demand caused "
+                f"({p.base(key)}), and the requests per second that caused more than {threshold} (alert "
+                "LLMRequestCausedManyPreemptions). Exemplar dots link to an evictor's trace; its victims' spans "
+                "link to it.",
+                [*self.quantiles(key), Target(evictors, f"caused >{threshold}/s {who}", True)],
+                unit="short",
+                min_zero=False,
+            ),
+            self.timeseries(
+                "Preemptions by cause",
+                "Preemptions per second by cause kind: request (another request's KV demand), self (its own), "
+                "cache_reset, unknown (the engine cannot say). Counted when the preempted request finishes.",
+                [Target(self.rate("num_preemptions_by_cause", cause), f"{{{{{cause}}}}} {who}")],
+                unit="ops",
+                stacked=True,
+            ),
+        ]
 
     def _scheduler_panels(self) -> list[Any]:
         """The panels of the row "Scheduler"."""

@@ -13,8 +13,12 @@ from dataclasses import dataclass
 
 from otel_llm.catalogue.metrics import BY_KEY, MetricDef, label_key
 from otel_llm.config import TelemetryConfig
+from otel_llm.config.buckets import REQUEST_NUM_PREEMPTIONS
 
 PROFILES = ("vllm", "semconv")
+# A request that caused more preemptions than this is an evictor to alert on. The rule reads
+# request_num_preemptions_caused_bucket{le="N"}: N must be one of the histogram's boundaries.
+EVICTOR_THRESHOLD = 10.0
 
 # Unit -> Prometheus name suffix, for the units the table uses ({...} annotations add none). A unit
 # missing here stops the generator: its suffix must be looked up, not guessed.
@@ -28,6 +32,14 @@ def sanitize(name: str) -> str:
 @dataclass(frozen=True)
 class Profile:
     naming: str
+    evictor_threshold: float = EVICTOR_THRESHOLD
+
+    def __post_init__(self) -> None:
+        if self.evictor_threshold not in REQUEST_NUM_PREEMPTIONS:
+            raise ValueError(
+                f"evictor threshold {self.evictor_threshold:g}: must be one of the preemption buckets' boundaries "
+                f"{', '.join(f'{b:g}' for b in REQUEST_NUM_PREEMPTIONS)} (the rule reads the bucket le={{threshold}})"
+            )
 
     @property
     def config(self) -> TelemetryConfig:
@@ -80,6 +92,13 @@ class Profile:
     def count(self, key: str) -> str:
         assert BY_KEY[key].kind == "histogram", key
         return self.base(key) + "_count"
+
+    @property
+    def evictor_le(self) -> str:
+        """The matcher of the bucket at the evictor threshold, as Prometheus 2.x and 3.x store its
+        ``le`` ("10" from Go exporters, "10.0" from prometheus_client and Prometheus 3.x)."""
+        n = self.evictor_threshold
+        return f'=~"{n:g}|{n:.1f}"' if n == int(n) else f'="{n:g}"'
 
     def metric_part(self, key: str) -> str:
         """The metric part of a recording rule name: the base name without colons."""

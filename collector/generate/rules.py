@@ -56,6 +56,13 @@ def rule_groups(p: Profile) -> list[tuple[str, list[Rule]]]:
     finished = f"{level}:{part}_count:rate5m"
     thrashing = f"{level}:{part}:thrashing_ratio_rate5m"
     preemption_rate = f"{level}:{p.metric_part('num_preemptions')}:rate5m"
+    cause = p.extra_label("num_preemptions_by_cause")
+    caused_bucket, caused_count = p.bucket("request_num_preemptions_caused"), p.count("request_num_preemptions_caused")
+    threshold = f"{p.evictor_threshold:g}"
+    evictors = (
+        f"sum by ({by}) (increase({caused_count}[10m]))\n  -\n"
+        f"sum by ({by}) (increase({caused_bucket}{{le{p.evictor_le}}}[10m]))\n  > 0"
+    )
     recording = [
         Rule(
             "Finished requests per second (every finished request is one observation of the histogram).",
@@ -95,6 +102,12 @@ def rule_groups(p: Profile) -> list[tuple[str, list[Rule]]]:
             f"sum by ({by}) (rate({p.series('num_recomputed_tokens')}[5m]))",
             record=f"{level}:{p.metric_part('num_recomputed_tokens')}:rate5m",
         ),
+        Rule(
+            "Preemptions per second by cause kind: request (another request's KV demand), self, cache_reset, "
+            "unknown (counted when the preempted request finishes).",
+            f"sum by ({by}, {cause}) (rate({p.series('num_preemptions_by_cause')}[5m]))",
+            record=f"{level}_{cause}:{p.metric_part('num_preemptions_by_cause')}:rate5m",
+        ),
     ]
     alerts = [
         Rule(
@@ -130,6 +143,20 @@ def rule_groups(p: Profile) -> list[tuple[str, list[Rule]]]:
             },
         ),
         Rule(
+            f"A request that finished in the last 10 minutes caused more than {threshold} preemptions (the "
+            "generator's --evictor-threshold, a bucket boundary). Fires once per such request's window.",
+            evictors,
+            alert="LLMRequestCausedManyPreemptions",
+            labels={"severity": "warning"},
+            annotations={
+                "summary": f"{model} on {engine}: a request caused more than {threshold} preemptions",
+                "description": f"Requests of {model} ({engine}) whose KV demand evicted more than {threshold} "
+                "running requests each: one long request (a long prompt or output) can thrash many others. "
+                f"Follow an exemplar of {p.base('request_num_preemptions_caused')} in its top bucket to the "
+                "evictor's trace; its victims' spans link to it.",
+            },
+        ),
+        Rule(
             "The telemetry itself dropped events (impossible sequences, unknown requests, NaN...).",
             f"sum by ({by}, {reason}) (increase({p.series('dropped_events')}[10m])) > 0",
             alert="OtelLLMTelemetryDroppingEvents",
@@ -159,7 +186,9 @@ def _header(p: Profile) -> str:
 #
 # Bucket boundaries assumed: the plugin's default (0.5, 1, 2, 3, 4, 5, 10, 20). le="0.5" holds exactly
 # the requests that were never preempted; le="4" holds the requests preempted at most 4 times. If you
-# change OTEL_LLM_PREEMPTION_BUCKETS, keep 0.5 and 4 among the boundaries or edit the rules.
+# change OTEL_LLM_PREEMPTION_BUCKETS, keep 0.5 and 4 among the boundaries or edit the rules. The evictor
+# alert reads request_num_preemptions_caused's bucket at its threshold ({p.evictor_threshold:g} here; generator
+# option --evictor-threshold), which must be a boundary too.
 #
 # le values are matched as "4|4.0": Prometheus 2.x stores le as exposed ("4" from Go exporters such as
 # the OpenTelemetry Collector, "4.0" from prometheus_client), Prometheus 3.x normalises it to "4.0".
@@ -218,7 +247,12 @@ def _names(p: Profile) -> list[str]:
 def translate(text: str, source: Profile, target: Profile) -> str:
     """``text`` (a rules unit-test file) with ``source``'s series, rule and label names as ``target``'s."""
     names = dict(zip(_names(source), _names(target)))
-    labels = {source.model: target.model, source.engine: target.engine}
+    cause = "num_preemptions_by_cause"
+    labels = {
+        source.model: target.model,
+        source.engine: target.engine,
+        source.extra_label(cause): target.extra_label(cause),
+    }
     text = text.replace(rules_file(source), rules_file(target)).replace(
         rule_tests_file(source), rule_tests_file(target)
     )
@@ -232,7 +266,7 @@ def translate(text: str, source: Profile, target: Profile) -> str:
 
 def render_tests(p: Profile) -> str:
     """The unit-test file of ``p``'s rules: the vllm profile's, translated."""
-    vllm = Profile("vllm")
+    vllm = Profile("vllm", p.evictor_threshold)
     source = (RULES_DIR / rule_tests_file(vllm)).read_text()
     if p == vllm:
         return source

@@ -416,7 +416,7 @@ def test_dashboard_histogram_panels_show_exemplars_linked_to_tempo(profile):
         for p in _all_panels(dash)
         if any("histogram_quantile" in t["expr"] or t.get("format") == "heatmap" for t in p.get("targets", []))
     ]
-    assert len(histogram_panels) == 9
+    assert len(histogram_panels) == 10
     for panel in histogram_panels:
         for target in panel["targets"]:
             assert target.get("exemplar") is True, f"panel {panel['title']!r} target {target['refId']}"
@@ -627,3 +627,14 @@ def test_the_plugin_never_imports_the_dashboard_sdk():
         if "grafana_foundation_sdk" in path.read_text() or "collector.generate" in path.read_text()
     ]
     assert not users, users
+
+
+def test_the_evictor_threshold_is_an_option_and_must_be_a_bucket_boundary(capsys):
+    from collector.generate.__main__ import main
+
+    rules = generated_files(5.0)[paths.RULES_DIR / paths.rules_file(Profile("vllm"))]
+    assert 'vllm:request_num_preemptions_caused_bucket{le=~"5|5.0"}' in rules and "more than 5 preemptions" in rules
+    assert main(["--check", "--evictor-threshold", "7"]) == 2
+    assert "evictor threshold 7: must be one of the preemption buckets' boundaries" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="evictor threshold 0.25"):
+        Profile("semconv", 0.25)

@@ -103,5 +103,17 @@ def test_every_dashboard_and_rule_expression_returns_data(profile, prometheus, p
         assert query(prometheus, left)["data"]["result"]
         share = float(query(prometheus, thrashing_rule)["data"]["result"][0]["value"][1])
         assert 0.05 < share <= 1 and not math.isnan(share)
+
+        # Who evicts, exactly, on the instant values the panel and the alert take rates of: the
+        # requests above the threshold, and the preemptions by cause against the engine's own.
+        def value(expr: str) -> float:
+            return float(query(prometheus, expr)["data"]["result"][0]["value"][1])
+
+        caused = "request_num_preemptions_caused"
+        above = f"sum({p.count(caused)}) - sum({p.bucket(caused)}{{le{p.evictor_le}}})"
+        evictors = sum(o.num_preemptions_caused > p.evictor_threshold for o in outputs)
+        assert evictors > 0 and value(above) == evictors
+        assert value(f"sum({p.series('num_preemptions_by_cause')})") == sum(o.num_preemptions for o in outputs)
+        assert value(f"sum({p.base(caused)}_sum)") == sum(o.num_preemptions for o in outputs)
     finally:
         handle.shutdown()
