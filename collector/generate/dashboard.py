@@ -22,7 +22,7 @@ from grafana_foundation_sdk.models import heatmap as hm
 from grafana_foundation_sdk.models import prometheus as pm
 
 from .paths import DATASOURCES
-from .profiles import Profile
+from .profiles import Profile, le_matcher
 
 
 def datasource_uids() -> dict[str, str]:
@@ -260,8 +260,8 @@ class _Builder:
                 "Preempted at least once = 1 - bucket{le=0.5}/count; thrashing (preempted 5+ times) = 1 - "
                 "bucket{le=4}/count. Alert LLMPreemptionThrashing fires above 5% for 10 minutes.",
                 [
-                    Target(self.share('="0.5"'), f"preempted ≥1× {who}"),
-                    Target(self.share('=~"4|4.0"'), f"thrashing ≥5× {who}"),
+                    Target(self.share(le_matcher(0.5)), f"preempted ≥1× {who}"),
+                    Target(self.share(le_matcher(4)), f"thrashing ≥5× {who}"),
                 ],
                 unit="percentunit",
                 max_one=True,

@@ -95,14 +95,18 @@ class Profile:
 
     @property
     def evictor_le(self) -> str:
-        """The matcher of the bucket at the evictor threshold, as Prometheus 2.x and 3.x store its
-        ``le`` ("10" from Go exporters, "10.0" from prometheus_client and Prometheus 3.x)."""
-        n = self.evictor_threshold
-        return f'=~"{n:g}|{n:.1f}"' if n == int(n) else f'="{n:g}"'
+        """The matcher of the bucket at the evictor threshold."""
+        return le_matcher(self.evictor_threshold)
 
     def metric_part(self, key: str) -> str:
         """The metric part of a recording rule name: the base name without colons."""
         return sanitize(BY_KEY[key].name(self.naming)).replace(":", "_")
+
+
+def le_matcher(bound: float) -> str:
+    """The ``le`` matcher (after ``le``) of the bucket with upper bound ``bound``, as Prometheus 2.x and
+    3.x store it: an integer bound is "4" from Go exporters, "4.0" from prometheus_client and 3.x."""
+    return f'=~"{bound:g}|{bound:.1f}"' if bound == int(bound) else f'="{bound:g}"'
 
 
 def _unit_suffix(metric: MetricDef) -> str:

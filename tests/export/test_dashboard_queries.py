@@ -4,19 +4,22 @@ both naming profiles.
 A short engine_stub load with the plugin's Prometheus endpoint, scraped every second by a real
 Prometheus that also evaluates the rule files; then each expression of the profile's dashboard and
 rules (Grafana variables substituted) must parse and return data, and read only series that the
-plugin really exports.
+plugin really exports. The who-evicts series (preemptions caused per request, preemptions by cause)
+equal the engine's own record of each preemption's cause, and the evictor alert fires on them.
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import pytest
 
 import otel_llm
-from collector.generate.profiles import PROFILES, Profile
-from engine_stub import Engine
-from otel_llm.events import EventType, RequestEvent
+from collector.generate.profiles import PROFILES, Profile, le_matcher
+from engine_stub import Engine, RequestOutput
+from otel_llm.config.buckets import REQUEST_NUM_PREEMPTIONS
+from otel_llm.events import CAUSE_REQUEST, CAUSE_SELF, EventType, RequestEvent
 from tests.support.backends import backend, free_port, start_prometheus
 from tests.support.promql import RULES, all_expressions, needs_history, query, referenced_series
 from tests.support.workloads import NUM_REQUESTS, add_requests, preempting_engine_config
@@ -104,16 +107,45 @@ def test_every_dashboard_and_rule_expression_returns_data(profile, prometheus, p
         share = float(query(prometheus, thrashing_rule)["data"]["result"][0]["value"][1])
         assert 0.05 < share <= 1 and not math.isnan(share)
 
-        # Who evicts, exactly, on the instant values the panel and the alert take rates of: the
-        # requests above the threshold, and the preemptions by cause against the engine's own.
-        def value(expr: str) -> float:
-            return float(query(prometheus, expr)["data"]["result"][0]["value"][1])
-
-        caused = "request_num_preemptions_caused"
-        above = f"sum({p.count(caused)}) - sum({p.bucket(caused)}{{le{p.evictor_le}}})"
-        evictors = sum(o.num_preemptions_caused > p.evictor_threshold for o in outputs)
-        assert evictors > 0 and value(above) == evictors
-        assert value(f"sum({p.series('num_preemptions_by_cause')})") == sum(o.num_preemptions for o in outputs)
-        assert value(f"sum({p.base(caused)}_sum)") == sum(o.num_preemptions for o in outputs)
+        # Who evicts, exactly, against the engine's own record of each preemption's cause: the
+        # distribution the panel's quantiles and exemplars read, the requests above the threshold
+        # the alert and the panel's line read, the preemptions by cause kind (labels bounded to the
+        # kinds that happened), and the alert firing on them.
+        check_evictors(prometheus, p, outputs)
     finally:
         handle.shutdown()
+
+
+def check_evictors(prometheus, p: Profile, outputs: list[RequestOutput]) -> None:
+    caused, by_cause = "request_num_preemptions_caused", "num_preemptions_by_cause"
+    cause, model = p.extra_label(by_cause), p.model
+
+    def value(expr: str) -> float:
+        return float(query(prometheus, expr)["data"]["result"][0]["value"][1])
+
+    for bound in REQUEST_NUM_PREEMPTIONS:
+        expected = sum(o.num_preemptions_caused <= bound for o in outputs)
+        assert value(f"sum({p.bucket(caused)}{{le{le_matcher(bound)}}})") == expected, bound
+    assert value(f"sum({p.count(caused)})") == len(outputs)
+    assert value(f"sum({p.base(caused)}_sum)") == sum(o.num_preemptions_caused for o in outputs)
+    evictors = sum(o.num_preemptions_caused > p.evictor_threshold for o in outputs)
+    assert evictors > 0
+    assert value(f"sum({p.count(caused)}) - sum({p.bucket(caused)}{{le{p.evictor_le}}})") == evictors
+
+    kinds = Counter(CAUSE_SELF if c == o.request_id else CAUSE_REQUEST for o in outputs for c in o.preempted_by)
+    assert set(kinds) == {CAUSE_SELF, CAUSE_REQUEST} and sum(kinds.values()) == sum(o.num_preemptions for o in outputs)
+    counted = query(prometheus, f"sum by ({cause}) ({p.series(by_cause)})")["data"]["result"]
+    assert {r["metric"][cause]: float(r["value"][1]) for r in counted} == kinds
+    panel = next(e for w, e in all_expressions("tiny", "0", profile=p.naming) if "Preemptions by cause" in w)
+    assert {r["metric"][cause] for r in query(prometheus, panel)["data"]["result"]} == set(kinds)
+
+    alert = f'ALERTS{{alertname="LLMRequestCausedManyPreemptions", alertstate="firing", {model}="tiny"}}'
+    (firing,) = prometheus.wait_for(alert, bool, timeout=20)
+    assert firing["metric"] == {
+        "__name__": "ALERTS",
+        "alertname": "LLMRequestCausedManyPreemptions",
+        "alertstate": "firing",
+        "severity": "warning",
+        model: "tiny",
+        p.engine: "0",
+    }
