@@ -18,7 +18,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from tests.transformers.conftest import CONFIG, EngineTruth, Instrumented, cb_config, generation_config, instrument
+from tests.transformers.conftest import EngineTruth, Instrumented, cb_config, generation_config
 from tests.transformers.conftest import prompts as make_prompts
 from tests.transformers.test_generate_batch import expected_buckets
 
@@ -80,15 +80,10 @@ def record(monkeypatch: pytest.MonkeyPatch) -> PreemptionRecord:
 
 
 @pytest.fixture
-def over_record(record: PreemptionRecord) -> Iterator[Instrumented]:
-    """The instrumentor, installed over the record (so that it wraps the record's wrapper)."""
-    found = instrument(CONFIG)
-    try:
-        yield found
-    finally:
-        found.instrumentor.uninstrument()
-        found.meter_provider.shutdown()
-        found.tracer_provider.shutdown()
+def over_record(record: PreemptionRecord, instrumented: Instrumented) -> Instrumented:
+    """The instrumentor, installed over the record (``record`` is set up first, so the
+    instrumentor wraps the record's wrapper)."""
+    return instrumented
 
 
 def run(model: Any) -> dict[str, Any]:
