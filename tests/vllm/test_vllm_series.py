@@ -221,9 +221,9 @@ def test_vllms_values_read_directly_are_those_of_its_collected_samples(otel, vll
     families = [f for f in series.families.values() if f.recording]
     seen = {"counter": 0, "gauge": 0, "histogram": 0}
     for family in families:
-        direct = series._read_values(family)
+        direct = series.reader.read_values(family)
         assert direct is not None, family.name
-        assert read(direct) == read(series._read_samples(family)), family.name
+        assert read(direct) == read(series.reader.read_samples(family)), family.name
         seen[family.kind] += len(direct)
     assert all(n > 0 for n in seen.values()), seen
 
@@ -234,7 +234,7 @@ def test_vllms_values_read_directly_are_those_of_its_collected_samples(otel, vll
     assert isinstance(metric, Gauge)
     values = next(iter(metric._metrics))
     metric.labels(*values).set_function(lambda: 42.0)
-    assert series._read_values(gauge) is None
+    assert series.reader.read_values(gauge) is None
     attributes = dict(zip(gauge.otel_labels, values))
     assert [o.value for o in series.read(gauge) if o.attributes == attributes] == [42.0]
 

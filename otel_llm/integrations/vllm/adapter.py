@@ -111,7 +111,7 @@ class VllmAdapter:
         return self.plan.replacing
 
     def _bind_series(self) -> None:
-        from otel_llm.integrations.vllm.series import SeriesView
+        from otel_llm.integrations.vllm.series_instruments import SeriesView
 
         provider = self.handle.meter_provider
         if provider is None:  # OTEL_SDK_DISABLED
