@@ -17,6 +17,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
@@ -51,7 +52,7 @@ class _Evictions(logging.Handler):
 
 def demo_transformers(args: argparse.Namespace) -> int:
     import torch
-    from transformers import ContinuousBatchingConfig, GenerationConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     from engine_stub.stopping import EXIT_STATUS, Stopped, say_stopped, stop_on_sigterm
     from otel_llm.export.setup import setup_telemetry
@@ -80,6 +81,7 @@ def demo_transformers(args: argparse.Namespace) -> int:
         h.setLevel(logging.WARNING)
     cb_logger.addHandler(evictions)
     cb_logger.setLevel(logging.INFO)
+    cut_short: list[int] = []  # the requests in flight when SIGTERM came, ended by the telemetry
     with stop_on_sigterm():
         try:
             torch.set_num_threads(1)
@@ -92,20 +94,7 @@ def demo_transformers(args: argparse.Namespace) -> int:
             rng = random.Random(args.seed)
             inputs = [[rng.randrange(1, VOCAB_SIZE) for _ in range(rng.randint(8, 40))] for _ in range(args.requests)]
             t0 = time.perf_counter()
-            outputs = model.generate_batch(
-                inputs=inputs,
-                generation_config=GenerationConfig(
-                    max_new_tokens=MAX_NEW_TOKENS, do_sample=False, eos_token_id=-1, pad_token_id=0
-                ),
-                continuous_batching_config=ContinuousBatchingConfig(
-                    page_size=16,
-                    num_blocks=args.kv_blocks,
-                    max_batch_tokens=128,
-                    max_requests_per_batch=16,
-                    allow_block_sharing=False,
-                ),
-                warmup=False,
-            )
+            outputs = _generate(model, inputs, args.kv_blocks, instrumentor, cut_short)
             elapsed = time.perf_counter() - t0
             instrumentor.uninstrument()  # the telemetry applies what is pending; the providers stay ours
             handle.force_flush()
@@ -146,10 +135,7 @@ def demo_transformers(args: argparse.Namespace) -> int:
                 except KeyboardInterrupt:
                     pass  # the ordinary way to stop serving
         except Stopped:
-            # transformers fails the requests of a stopped batch itself; the telemetry ends the rest.
-            if instrumentor.is_instrumented_by_opentelemetry:
-                instrumentor.uninstrument()
-            say_stopped("otel-llm demo", args.requests - traces.completed, " mid-batch")
+            say_stopped("otel-llm demo", sum(cut_short), " mid-batch")
             return EXIT_STATUS
         finally:
             cb_logger.removeHandler(evictions)
@@ -159,3 +145,43 @@ def demo_transformers(args: argparse.Namespace) -> int:
                 instrumentor.uninstrument()
             handle.shutdown()
     return 0 if agrees else 1
+
+
+def _generate(model: Any, inputs: list[list[int]], kv_blocks: int, instrumentor: Any, cut_short: list[int]) -> dict:
+    """``generate_batch``'s loop, stopped otherwise on SIGTERM: the telemetry ends the requests in
+    flight and counts them (``cut_short``) first, then transformers' manager stops at once (its
+    own stop would run the batch on for up to 5 s, and what finished then would not be counted):
+    each request either finished before the signal or is counted and keeps one span, cut short."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    from engine_stub.stopping import Stopped
+
+    manager = model.init_continuous_batching(
+        generation_config=GenerationConfig(
+            max_new_tokens=MAX_NEW_TOKENS, do_sample=False, eos_token_id=-1, pad_token_id=0
+        ),
+        continuous_batching_config=ContinuousBatchingConfig(
+            page_size=16,
+            num_blocks=kv_blocks,
+            max_batch_tokens=128,
+            max_requests_per_batch=16,
+            allow_block_sharing=False,
+        ),
+    )
+    outputs: dict = {}
+    manager.start()
+    try:
+        request_ids = manager.add_requests(inputs=inputs, max_new_tokens=MAX_NEW_TOKENS)
+        while len(outputs) < len(request_ids):
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                outputs[result.request_id] = result
+            elif result is None and not manager.is_running():
+                raise RuntimeError("transformers' generation thread ended before its requests")
+    except Stopped:
+        cut_short.append(instrumentor.uninstrument() or 0)
+        manager.stop(block=True, timeout=5, hard_stop=True)
+        raise
+    finally:
+        manager.destroy()  # stops the generation thread if it still runs
+    return outputs

@@ -266,20 +266,25 @@ class EngineTelemetry:
         with self.metrics.lock:
             self.metrics.dropped(reason, n)
 
-    def shutdown(self) -> None:
-        """Apply pending events, end the spans of requests still in flight (marked incomplete).
-        Requests that arrive later get no span (the providers are shut down with it: each span
-        would be dropped, with a warning line per span from SDK 1.28's batch processor). Idempotent."""
+    def shutdown(self) -> int:
+        """Apply pending events, end the spans of requests still in flight (marked incomplete),
+        and return how many requests were in flight: counted as they are ended, under the lock
+        that applies events, so a request another thread finishes meanwhile is either finished
+        or counted here, never both. Requests that arrive later get no span (the providers are
+        shut down with it: each span would be dropped, with a warning line per span from SDK
+        1.28's batch processor). Idempotent: 0 after the first call."""
         self.flush()
         with self.metrics.lock:
             if self._closed:
-                return
+                return 0
             self._closed = True
-            for req in self.tracker.drain():
+            in_flight = self.tracker.drain()
+            for req in in_flight:
                 if req.span is not None:
                     self.spans.abandon(req.span, None, SHUTDOWN)  # type: ignore[union-attr]  # a req.span implies self.spans
             self._sink.forget_reserved()
             self._sink.spans = None
+            return len(in_flight)
 
 
 def _valid_step(stats: StepStats) -> bool:

@@ -52,7 +52,10 @@ class ProviderInstruments:
         # Reentrant: an adapter's kept engine steps record through the telemetry's own
         # methods, which take it, while the pending work is applied under it.
         self.lock = threading.RLock()
-        self.recorders: "weakref.WeakSet[InProcessRecorder]" = weakref.WeakSet()
+        # Held for the provider's life, as the SDK holds its own aggregations: a counter of a
+        # telemetry that was shut down and let go keeps its total in the exports that follow
+        # (the provider's final one included), never falling back.
+        self.recorders: "set[InProcessRecorder]" = set()
         self.cells: dict[tuple[str, tuple], HistogramCell] = {}
         # Cells exported from their creation, at zero until observed (show_zero_series).
         self.shown: set[int] = set()

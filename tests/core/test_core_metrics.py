@@ -43,6 +43,24 @@ def test_counters_equal_event_totals():
     assert r.point("vllm:request_success", finished_reason="stop").value == 8
 
 
+@BOTH_PATHS
+def test_counters_keep_their_totals_after_the_telemetry_is_shut_down_and_let_go(paths):
+    """The provider's exports after a telemetry ended (its final one at shutdown) still count
+    what it recorded: a cumulative counter never falls back."""
+    import gc
+
+    r = in_memory_telemetry(**paths)
+    run(r)
+    r.telemetry.on_events(lifecycle("cut", 200.0)[:3])  # arrived, queued, scheduled: in flight
+    assert r.telemetry.shutdown() == 1
+    assert r.telemetry.shutdown() == 0
+    r.telemetry = None  # type: ignore[assignment]  # nothing holds the telemetry any more
+    gc.collect()
+    assert r.point("vllm:request_success", finished_reason="stop").value == 8
+    assert r.point("vllm:num_preemptions").value == 40
+    assert r.point("vllm:request_num_preemptions").count == 8
+
+
 def test_derived_latencies_exact():
     r = in_memory_telemetry()
     t0 = 50.0

@@ -3,10 +3,11 @@
 ``instrument(config=..., meter_provider=..., tracer_provider=...)`` wraps the names of
 :mod:`.internals` whose checks hold (one warning names any that does not, and what degrades; a
 transformers release outside :data:`.package._instruments` is instrumented as far as the checks
-allow, with one warning); ``uninstrument()`` restores every one of them and ends the spans of the
-requests still in flight, marked incomplete. Every wrapper calls transformers' own method exactly
-once and returns its result; the telemetry's work around it never raises into transformers (a
-failure is logged once and stops the telemetry of that engine, not the engine).
+allow, with one warning); ``uninstrument()`` restores every one of them, ends the spans of the
+requests still in flight, marked incomplete, and returns how many there were. Every wrapper
+calls transformers' own method exactly once and returns its result; the telemetry's work around
+it never raises into transformers (a failure is logged once and stops the telemetry of that
+engine, not the engine).
 
 Telemetry: one ``EngineTelemetry`` per model (label ``model_name`` / ``gen_ai.request.model``: the
 model's ``name_or_path`` unless the config or ``OTEL_LLM_MODEL_NAME`` names one), on the providers
@@ -75,15 +76,16 @@ class _Telemetry:
                 self.by_model[name] = telemetry
             return telemetry
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> int:
+        """Ends every model's telemetry (in-flight spans ended, marked incomplete) before the
+        providers it built are flushed; the number of requests that were in flight."""
         with self._lock:
             telemetries, self.by_model = list(self.by_model.values()), {}
             handle, self.handle = self.handle, None
+        in_flight = sum(telemetry.shutdown() for telemetry in telemetries)
         if handle is not None:
-            handle.shutdown()  # also shuts down each telemetry it built: in-flight spans ended, marked
-        else:
-            for telemetry in telemetries:
-                telemetry.shutdown()
+            handle.shutdown()
+        return in_flight
 
 
 class _Instrumentation:
@@ -348,12 +350,14 @@ class TransformersInstrumentor(BaseInstrumentor):
         instrumentation.install()
         TransformersInstrumentor._instrumentation = instrumentation
 
-    def _uninstrument(self, **kwargs: Any) -> None:
+    def _uninstrument(self, **kwargs: Any) -> int:
+        """Restores transformers' methods, then ends the spans of the requests in flight; returns
+        how many there were (``uninstrument()`` passes it on)."""
         instrumentation, TransformersInstrumentor._instrumentation = TransformersInstrumentor._instrumentation, None
         if instrumentation is None:
-            return
+            return 0
         instrumentation.restore()
-        instrumentation.telemetry.shutdown()
+        return instrumentation.telemetry.shutdown()
 
     @property
     def telemetry(self) -> dict[str, Any]:
