@@ -1,12 +1,12 @@
 # Hugging Face transformers' continuous batching, instrumented by TransformersInstrumentor
 # (tests/transformers), on the newest and the oldest transformers release of the supported range
-# (otel_llm/integrations/transformers/package.py), each in a venv of its own. Included from the
+# (otel_llm/integrations/transformers/package.py, read here), each in a venv of its own. Included from the
 # Makefile; each target sets itself up on a fresh machine, behind a stamp file.
 # torch first and pinned (an unpinned one pulls a CUDA build); psutil, or transformers' offloading
 # manager warns at every run; [serving] for `transformers serve`; oteltest: the OTLP sink.
 PYTHON ?= python3
-TRANSFORMERS_NEWEST ?= 5.24.0
-TRANSFORMERS_OLDEST ?= 5.18.0
+TRANSFORMERS_NEWEST ?= $(shell $(PYTHON) otel_llm/integrations/transformers/package.py newest)
+TRANSFORMERS_OLDEST ?= $(shell $(PYTHON) otel_llm/integrations/transformers/package.py oldest)
 TRANSFORMERS_ARGS ?=
 TRANSFORMERS_DEPS = torch==2.13.0 "pytest>=8" "oteltest>=0.40" psutil
 

@@ -86,13 +86,14 @@ def _handle(vllm_config: Any, spans: list[int]) -> Any:
 
 def run(reps: int = 15, requests: int = 64, tokens: int = 96, log: Any = sys.stderr) -> dict[str, Any]:
     _vllm_environment()
-    from vllm.config import ModelConfig, VllmConfig
+    from vllm.config import ModelConfig
     from vllm.v1.metrics.loggers import PrometheusStatLogger
     from vllm.v1.metrics.prometheus import unregister_vllm_metrics
 
     from otel_llm.integrations import vllm as plugin
     from otel_llm.integrations.vllm import OtelStatLogger
     from otel_llm.testing.models import make_tiny_llama
+    from otel_llm.testing.vllm.config import class_level_config
     from otel_llm.testing.vllm.stream import Spec, build
     from otel_llm.testing.vllm.stream import run as run_stream
 
@@ -114,7 +115,7 @@ def run(reps: int = 15, requests: int = 64, tokens: int = 96, log: Any = sys.std
 
     with tempfile.TemporaryDirectory(prefix="bench-vllm-record-") as tmp:
         model = make_tiny_llama(Path(tmp) / "tiny-llama")
-        vllm_config = VllmConfig(model_config=ModelConfig(model=str(model), skip_tokenizer_init=True))
+        vllm_config = class_level_config(ModelConfig(model=str(model), skip_tokenizer_init=True))
         spans = [0]
         handle = _handle(vllm_config, spans)
         plugin.use_handle(handle)

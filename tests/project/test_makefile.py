@@ -42,3 +42,29 @@ def test_make_test_sets_up_everything_it_runs(tmp_path: Path) -> None:
     ci = (ROOT / ".ci" / "run").read_text()
     targets = [line.split()[1] for line in ci.splitlines() if line.startswith("make ")]
     assert targets == ["lint", "test", "test-sdk-oldest", "test-vllm", "test-transformers"]
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_the_release_matrices_are_the_packages_releases() -> None:
+    """`make test-vllm-classes` runs tests/vllm once per release PROVEN marks "classes", each in
+    its venv; `make test-transformers` on package.py's oldest and newest: one line adds a release."""
+    import importlib.util
+
+    from otel_llm.integrations.vllm.package import PROVEN
+
+    # The file alone: its package's __init__ needs opentelemetry-instrumentation.
+    spec = importlib.util.spec_from_file_location("package", ROOT / "otel_llm/integrations/transformers/package.py")
+    assert spec is not None and spec.loader is not None
+    transformers_package = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(transformers_package)
+
+    def plan(target: str) -> str:
+        return subprocess.run(["make", "-n", "-B", target], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+
+    runs = [line.split() for line in plan("test-vllm-classes").splitlines() if "-m pytest" in line]
+    pythons = [words[words.index("-m") - 1] for words in runs]
+    classes = [release for release, how in PROVEN.items() if how == "classes"]
+    assert len(classes) >= 2 and pythons == [f".venv-vllm-{release}/bin/python" for release in classes]
+    transformers = plan("test-transformers")
+    oldest, newest = transformers_package.TESTED_VERSIONS[0], transformers_package.TESTED_VERSIONS[-1]
+    assert f'"transformers[serving]=={newest}"' in transformers and f'"transformers[serving]=={oldest}"' in transformers

@@ -56,10 +56,12 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="session")
 def vllm_config(model_dir: str):
     """A real VllmConfig around a hand-written tiny Llama config.json (no weights, no tokenizer)."""
-    from vllm.config import ModelConfig, VllmConfig
+    from vllm.config import ModelConfig
+
+    from otel_llm.testing.vllm.config import class_level_config
 
     model_config = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="float32")
-    return VllmConfig(model_config=model_config)
+    return class_level_config(model_config)
 
 
 @pytest.fixture

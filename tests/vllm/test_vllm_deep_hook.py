@@ -77,29 +77,39 @@ def test_without_deep_hook_spans_carry_the_exact_count_only(otel, vllm_config):
     assert otel_samples(o.reader, {"vllm:request_preempted_time_seconds"}) == {}
 
 
-def test_deep_hook_refuses_an_untested_vllm_version_once_and_falls_back(otel, vllm_config, monkeypatch, caplog):
+@pytest.mark.parametrize("version", ["0.99.0", "1.0.0rc2.dev7+gabc", "not-a-version"])
+def test_deep_hook_attaches_by_structure_on_a_release_ci_does_not_prove(
+    otel, vllm_config, monkeypatch, caplog, version
+):
+    """Whatever the version string says, the checks decide: one info line names the release."""
     import vllm
 
     monkeypatch.setenv("OTEL_LLM_VLLM_DEEP_HOOK", "1")
-    monkeypatch.setattr(vllm, "__version__", "0.99.0")
+    monkeypatch.setattr(vllm, "__version__", version)
     o = otel()
-    from vllm.v1.metrics.stats import IterationStats
-
-    original = IterationStats.update_from_events
-    with caplog.at_level(logging.WARNING, logger="otel_llm.integrations.vllm.deep_hook"):
+    with caplog.at_level(logging.INFO, logger="otel_llm.integrations.vllm.deep_hook"):
         manager, _ = plugin_manager(vllm_config)
-        plugin_manager(vllm_config)  # a second logger: no second warning
-        from otel_llm.integrations.vllm import deep_hook as vllm_deep_hook
-
-        vllm_deep_hook.register()  # nor from the general-plugin entry point
-    warnings = [r for r in caplog.records if r.name == "otel_llm.integrations.vllm.deep_hook"]
-    assert len(warnings) == 1 and "0.99.0" in warnings[0].getMessage() and "falling back" in warnings[0].getMessage()
-    assert IterationStats.update_from_events is original
+        plugin_manager(vllm_config)  # a second logger: no second line
+    lines = [r for r in caplog.records if r.name == "otel_llm.integrations.vllm.deep_hook"]
+    assert [r.levelno for r in lines] == [logging.INFO]
+    assert f"vLLM {version} is not among the releases CI proves" in lines[0].getMessage()
     script = build(default_specs()[:3], time.monotonic(), time.time())
     run(manager, {0: script})
     spans = _spans_by_request(o)
     assert spans["r1"].attributes["llm.request.num_preemptions"] == 1
-    assert [e for e in spans["r1"].events if e.name == "preempted"] == []
+    assert [e.attributes["ordinal"] for e in spans["r1"].events if e.name == "preempted"] == [1]
+
+
+def test_deep_hook_says_nothing_of_a_proven_release(otel, vllm_config, monkeypatch, caplog):
+    from otel_llm.integrations.vllm import package
+
+    monkeypatch.setenv("OTEL_LLM_VLLM_DEEP_HOOK", "1")
+    otel()
+    with caplog.at_level(logging.INFO, logger="otel_llm.integrations.vllm.deep_hook"):
+        plugin_manager(vllm_config)
+    lines = [r.getMessage() for r in caplog.records if r.name == "otel_llm.integrations.vllm.deep_hook"]
+    assert package.proven(package.installed()) and len(lines) == 1
+    assert "attached" in lines[0] and "not among" not in lines[0]
 
 
 def test_deep_hook_refuses_a_changed_shape(otel, vllm_config, monkeypatch, caplog):

@@ -30,10 +30,12 @@ stat logger gives each a span, leaving the metrics as vLLM's. After a shutdown o
 death no engine step comes to record them: the wrapper calls the stat loggers' listeners
 (:func:`listen`) at once. A request is ended once: its trace is marked when its span is made.
 
-Guards: the vLLM version must be in the accepted range (``>= 0.10, < 0.34``; tested on 0.32.0 serving and 0.33.0;
-``=force`` skips the version check) and both targets must have the expected parameters. When it cannot attach, it
-says so once (a warning) and the plugin falls back to metrics plus one span per finished
-request with the exact preemption count. Loaded in every vLLM process through the
+Attached by structure, whatever vLLM's version (:mod:`.package`): both targets must have the
+parameters relied on. When it cannot attach, it says once (a warning) what does not hold and
+what is lost, and the plugin falls back to metrics plus one span per finished request with the
+exact preemption count; on a release CI does not prove, the attach line says so. The other
+parts check their own targets the same way: the caller's trace context, the preemptions'
+causes (:mod:`.engine_core`). Loaded in every vLLM process through the
 ``vllm.general_plugins`` entry point (``register``); the stat logger also installs it.
 """
 
@@ -47,14 +49,18 @@ import weakref
 from typing import Any, Callable, Mapping, Optional
 
 from otel_llm.config.settings import from_environment
-from otel_llm.integrations.vllm import attribution, engine_core, traces
+from otel_llm.integrations.vllm import attribution, engine_core, package, traces
 from otel_llm.integrations.vllm.cause_channel import folder
 from otel_llm.summary import ENGINE_DEAD, SHUTDOWN
 
 _log = logging.getLogger(__name__)
 
 ENV = "OTEL_LLM_VLLM_DEEP_HOOK"
-TESTED_VERSIONS = ((0, 10), (0, 34))  # [min, max)
+# What the stat loggers get instead when the deep hook does not attach.
+FALLBACK = (
+    "falling back to stat-logger data: exact preemption counts, but no per-preemption times, no caller "
+    "traceparent, no spans for aborted or cut-off requests, no preemption causes"
+)
 SHUT_DOWN_ATTR = "_otel_llm_shut_down"  # on an AsyncLLM whose shutdown the stat loggers were told of
 _MARK = "__otel_llm_deep_hook__"
 _lock = threading.Lock()
@@ -64,12 +70,9 @@ _adding_headers: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar
 
 
 def enabled(environ: Optional[Mapping[str, str]] = None) -> bool:
-    """Asked for (``on`` or ``force``); a bad value raises ValueError naming the variable."""
+    """Asked for (``on``; ``force``, its former spelling past a version check, is the same); a
+    bad value raises ValueError naming the variable."""
     return from_environment(ENV, environ) in ("on", "force")
-
-
-def _forced() -> bool:
-    return from_environment(ENV) == "force"
 
 
 def register() -> None:
@@ -110,30 +113,6 @@ def _notify() -> None:
             _log.exception("otel-llm deep hook: recording the requests cut short failed")
 
 
-def vllm_version() -> tuple[str, tuple[int, int]]:
-    """vLLM's version string and its (major, minor); raises ImportError without vLLM."""
-    import vllm
-
-    version = str(getattr(vllm, "__version__", "0"))
-    parts = []
-    for piece in version.split(".")[:2]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        parts.append(int(digits) if digits else 0)
-    major, minor = (parts + [0, 0])[:2]
-    return version, (major, minor)
-
-
-def _version_ok() -> tuple[bool, str]:
-    try:
-        version, parsed = vllm_version()
-    except Exception as exc:  # noqa: BLE001 - any import failure means no deep hook
-        return False, f"vLLM is not importable ({exc!r})"
-    low, high = TESTED_VERSIONS
-    if not (low <= parsed < high):
-        return False, f"vLLM {version} is outside the accepted range {low}..<{high} (set {ENV}=force to try)"
-    return True, version
-
-
 def _params(fn: Callable) -> list[str]:
     return list(inspect.signature(fn).parameters)
 
@@ -171,22 +150,29 @@ def install() -> bool:
             reason = f"unexpected error {exc!r}"
         if reason is None:
             _state["installed"] = True
-            _log.info("otel-llm deep hook: attached to vLLM's IterationStats (per-preemption timing on)")
+            _log.info(
+                "otel-llm deep hook: attached to vLLM's IterationStats (per-preemption timing on)%s",
+                package.unproven_note(),
+            )
             return True
         _state["failed"] = reason
-        _log.warning(
-            "otel-llm deep hook: not attached (%s); falling back to stat-logger data "
-            "(exact preemption counts, no per-preemption timestamps)",
-            reason,
-        )
+        _log.warning("otel-llm deep hook: not attached (%s); %s", reason, FALLBACK)
         return False
 
 
+def shape_problem() -> Optional[str]:
+    """Why the deep hook cannot attach to this vLLM, or None (its checks alone, nothing wrapped)."""
+    try:
+        from vllm.v1.metrics import stats as vstats
+    except Exception as exc:  # noqa: BLE001 - any import failure means no deep hook
+        return f"vllm.v1.metrics.stats is not importable ({exc!r})"
+    cls = getattr(vstats, "IterationStats", None)
+    if cls is None:
+        return "vllm.v1.metrics.stats.IterationStats not found"
+    return _shape_ok(cls)
+
+
 def _install() -> Optional[str]:
-    if not _forced():
-        ok, why = _version_ok()
-        if not ok:
-            return why
     from vllm.v1.metrics import stats as vstats
 
     cls = getattr(vstats, "IterationStats", None)
@@ -250,8 +236,9 @@ def _install() -> Optional[str]:
     problem = _install_trace_context_capture(warn_once)
     if problem:
         _log.warning(
-            "otel-llm deep hook: the caller's trace context is not kept (%s); request spans are roots "
-            "unless vLLM's own tracing is on",
+            "otel-llm deep hook: the frontend's part is not attached (%s): request spans are roots unless "
+            "vLLM's own tracing is on, and aborted requests and those cut off by a shutdown or an engine "
+            "death get no span",
             problem,
         )
     return None
@@ -280,17 +267,50 @@ def _wrap(owner: type, name: str, wrapper: Callable) -> None:
     setattr(owner, name, wrapper)
 
 
+def frontend_problem() -> Optional[str]:
+    """Why the deep hook's Python-frontend parts (the caller's trace context, aborted requests,
+    the requests in flight at a shutdown or an engine death) cannot attach here, or None."""
+    try:
+        from vllm.v1.engine.async_llm import AsyncLLM
+        from vllm.v1.engine.output_processor import OutputProcessor
+    except Exception as exc:  # noqa: BLE001 - any import failure: those parts cannot attach
+        return f"vLLM's AsyncLLM / OutputProcessor are not importable ({exc!r})"
+    return _frontend_shape(AsyncLLM, OutputProcessor)
+
+
+def _frontend_shape(async_llm: type, processor: type) -> Optional[str]:
+    missing = [
+        name
+        for owner, name in (
+            (async_llm, "add_request"),
+            (async_llm, "shutdown"),
+            (processor, "add_request"),
+            (processor, "abort_requests"),
+            (processor, "propagate_error"),
+        )
+        if not callable(getattr(owner, name, None))
+    ]
+    if missing:
+        return f"{', '.join(missing)} not found on AsyncLLM / OutputProcessor"
+    add = async_llm.add_request  # type: ignore[attr-defined]  # checked above
+    parameters = list(inspect.signature(add).parameters)
+    if "trace_headers" not in parameters or not inspect.iscoroutinefunction(add):
+        return f"AsyncLLM.add_request has parameters {parameters}"
+    if _params(processor.add_request)[:2] != ["self", "request"]:  # type: ignore[attr-defined]
+        return f"OutputProcessor.add_request has parameters {_params(processor.add_request)}"  # type: ignore[attr-defined]
+    return None
+
+
 def _install_trace_context_capture(warn_once: Callable[[str, BaseException], None]) -> Optional[str]:
     """Keep the trace headers that AsyncLLM.add_request receives on the request's trace."""
     from vllm.v1.engine.async_llm import AsyncLLM
     from vllm.v1.engine.output_processor import OutputProcessor
 
+    problem = _frontend_shape(AsyncLLM, OutputProcessor)
+    if problem is not None:
+        return problem
     add = AsyncLLM.add_request
     signature = inspect.signature(add)
-    if "trace_headers" not in signature.parameters or not inspect.iscoroutinefunction(add):
-        return f"AsyncLLM.add_request has parameters {list(signature.parameters)}"
-    if _params(OutputProcessor.add_request)[:2] != ["self", "request"]:
-        return f"OutputProcessor.add_request has parameters {_params(OutputProcessor.add_request)}"
 
     # Where a positional call puts the headers (after self); None when they are keyword-only.
     parameter = signature.parameters["trace_headers"]

@@ -9,11 +9,13 @@ The cause is ``request`` (its own cause when it is the victim). ``reset_prefix_c
 ``reset_running_requests`` preempts every running request: no request is the cause
 (``cache_reset``). Any other caller is ``unknown``.
 
-The wrapper of ``_preempt_request`` reads its caller's frame: only when vLLM preempts, so that a
-step without a preemption costs nothing more. The caller is vLLM's ``schedule`` when its code is
-named so and has the loop's locals (whatever else wraps ``schedule``, its own code calls
-``_preempt_request``), and the victim is checked against ``preempted_req`` before ``request`` is
-taken as the cause; ``reset_prefix_cache`` by its name.
+The wrapper of ``_preempt_request`` reads its callers' frames: only when vLLM preempts, so that a
+step without a preemption costs nothing more. It walks up (at most :data:`MAX_DEPTH` frames, past
+any other wrapper of ``_preempt_request`` installed after it) to vLLM's ``schedule``, known by
+its name and the loop's locals (whatever else wraps ``schedule``, its own code calls
+``_preempt_request``), and checks the victim against ``preempted_req`` before ``request`` is
+taken as the cause; or to ``reset_prefix_cache``, by its name. A preemption found in neither is
+``unknown``, said once with the caller's name.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from otel_llm.integrations.vllm.cause_channel import CauseRecord, Sender, folder
 
 _log = logging.getLogger("otel_llm.integrations.vllm")  # one logger for the vLLM adapter, whichever module logs
 
+MAX_DEPTH = 8  # frames walked up from the wrapper: vLLM's caller, past other wrappers
 _sender: list[Sender] = []  # made at the first preemption, in the engine core's process
 _warned: set[str] = set()
 
@@ -36,6 +39,15 @@ def _warn_once(what: str, message: str) -> None:
     if what not in _warned:
         _warned.add(what)
         _log.warning("otel-llm deep hook (engine core): %s", message)
+
+
+def problem() -> Optional[str]:
+    """Why the causes cannot be read from the installed vLLM's Scheduler, or None."""
+    try:
+        from vllm.v1.core.sched.scheduler import Scheduler
+    except Exception as exc:  # noqa: BLE001 - any import failure: no causes
+        return f"vllm.v1.core.sched.scheduler.Scheduler is not importable ({exc!r})"
+    return shape_problem(Scheduler)
 
 
 def shape_problem(scheduler_cls: type) -> Optional[str]:
@@ -76,21 +88,36 @@ def wrapper(scheduler_cls: type) -> Callable[..., Any]:
 
 
 def report(victim: Any, caller: Any) -> None:
-    """The cause of ``victim``'s preemption, from the frame of ``_preempt_request``'s caller."""
-    code = caller.f_code
+    """The cause of ``victim``'s preemption, from the frames above ``_preempt_request``'s wrapper
+    (``caller``: the first of them)."""
     causes: tuple[str, ...] = ()
-    if code.co_name == "schedule" and "preempted_req" in local_names(code):
-        local = caller.f_locals
-        cause = local.get("request")
-        if local.get("preempted_req") is victim and cause is not None:
-            kind = CAUSE_SELF if cause is victim else CAUSE_REQUEST
-            causes = (str(cause.request_id),)
-        else:
-            kind = CAUSE_UNKNOWN
-    elif code.co_name == "reset_prefix_cache":
-        kind = CAUSE_CACHE_RESET
+    kind = CAUSE_UNKNOWN
+    frame = caller
+    for _ in range(MAX_DEPTH):
+        if frame is None:
+            break
+        code = frame.f_code
+        if code.co_name == "schedule" and "preempted_req" in local_names(code):
+            local = frame.f_locals
+            cause = local.get("request")
+            if local.get("preempted_req") is victim and cause is not None:
+                kind = CAUSE_SELF if cause is victim else CAUSE_REQUEST
+                causes = (str(cause.request_id),)
+            else:
+                _warn_once("victim", "a preemption's victim is not schedule()'s preempted_req: its cause is unknown")
+            break
+        if code.co_name == "reset_prefix_cache":
+            kind = CAUSE_CACHE_RESET
+            break
+        frame = frame.f_back
     else:
-        kind = CAUSE_UNKNOWN
+        frame = None
+    if frame is None:
+        _warn_once(
+            "caller",
+            f"a preemption came from {caller.f_code.co_name}(), not from vLLM's schedule() or "
+            "reset_prefix_cache(): its cause is unknown (said once)",
+        )
     sender = _sender[0] if _sender else _new_sender()
     if sender is not None:
         sender.send(CauseRecord(str(victim.request_id), int(victim.num_preemptions), kind, causes))

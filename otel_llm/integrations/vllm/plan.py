@@ -72,7 +72,7 @@ def make_plan(vllm_config: Any, engine_indexes: list[int], reader: FieldReader, 
             vllm_replace.report_fallback(reason)
         replacing = reason is None
     elif vllm_replace.requested():  # the add-mode class: this vLLM may build its own logger anyway
-        vllm_replace.report_fallback(vllm_replace.version_obstacle() or "this stat-logger class is add mode's")
+        vllm_replace.report_fallback(vllm_replace.structure_obstacle() or "this stat-logger class is add mode's")
     if handle is None:
         assert own_config is not None
         if series is not None:

@@ -10,7 +10,8 @@ collector of the plugin's MeterProvider with vLLM's HELP text per family. Conten
 
 Where the plugin cannot stand in for vLLM's logger, :func:`obstacle` says why, and the plugin
 runs as in ``add`` mode (vLLM's own logger built by the plugin, one line at start): a vLLM
-version outside the tested range, several API servers (vLLM then serves the sum of every
+whose ``StatLoggerManager`` does not decide on its own logger that way (checked by structure,
+:func:`structure_obstacle`), several API servers (vLLM then serves the sum of every
 process's files through ``PROMETHEUS_MULTIPROC_DIR``, which this does not write), the
 ``semconv`` naming profile (not vLLM's names), providers given with ``use_handle`` (the reader
 must be on the MeterProvider when it is built), or vLLM's series beyond the core unavailable.
@@ -36,7 +37,6 @@ _log = logging.getLogger(__name__)
 
 ENV = "OTEL_LLM_VLLM_METRICS"
 MODES = ("add", "replace")
-TESTED_VERSIONS = ((0, 11), (0, 34))  # [min, max): the isinstance rule of StatLoggerManager
 
 
 def mode(environ: Mapping[str, str] = os.environ) -> str:
@@ -52,17 +52,24 @@ def requested(environ: Mapping[str, str] = os.environ) -> bool:
         return False
 
 
-def version_obstacle() -> Optional[str]:
-    """Why this vLLM's StatLoggerManager may not be relied on to leave its logger out, or None."""
-    from otel_llm.integrations.vllm.deep_hook import vllm_version
-
+def structure_obstacle() -> Optional[str]:
+    """Why this vLLM's StatLoggerManager may not be relied on to leave its own logger out, or None.
+    The rule relied on: its constructor sets a local ``custom_prometheus_logger`` when a custom
+    stat logger ``isinstance`` of ``PrometheusStatLogger``, and builds its own only otherwise."""
     try:
-        version, parsed = vllm_version()
+        from vllm.v1.metrics.loggers import StatLoggerManager
     except Exception as exc:  # noqa: BLE001 - any import failure: nothing to replace
-        return f"vLLM is not importable ({exc!r})"
-    low, high = TESTED_VERSIONS
-    if not low <= parsed < high:
-        return f"vLLM {version} is outside the range {low}..<{high} where replace mode is tested"
+        return f"vLLM's StatLoggerManager is not importable ({exc!r})"
+    code = getattr(StatLoggerManager.__init__, "__code__", None)
+    if (
+        code is None
+        or "custom_prometheus_logger" not in code.co_varnames
+        or not {"isinstance", "PrometheusStatLogger"} <= set(code.co_names)
+    ):
+        return (
+            "vLLM's StatLoggerManager.__init__ does not leave its PrometheusStatLogger out for a custom one "
+            "(no local custom_prometheus_logger set by isinstance)"
+        )
     return None
 
 
@@ -77,7 +84,7 @@ def obstacle(
         return f"OTEL_LLM_NAMING={naming} does not give vLLM's metric names"
     if handle_given:
         return "the providers were built before (use_handle) without a reader for vLLM's /metrics"
-    return version_obstacle()
+    return structure_obstacle()
 
 
 class _VllmFamilies:

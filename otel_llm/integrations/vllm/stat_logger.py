@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Optional
 
+from otel_llm.integrations.vllm import package
 from otel_llm.integrations.vllm.adapter import VllmAdapter
 
 _log = logging.getLogger("otel_llm.integrations.vllm")  # one logger for the vLLM adapter, whichever module logs
@@ -141,10 +142,11 @@ def _make_adding_class() -> type:
             if self._impl is not None:
                 self._impl.call_series("log_engine_initialized")
                 _log.info(
-                    "otel-llm: recording vLLM stats for model %r, engines %s (deep hook %s)",
+                    "otel-llm: recording vLLM stats for model %r, engines %s (deep hook %s)%s",
                     self._impl.config.model_name,
                     self.engine_indexes,
                     "on" if self._impl.deep_hook else "off",
+                    package.unproven_note(),
                 )
 
         @_guard
@@ -247,7 +249,7 @@ def stat_logger_class() -> type:
     where this vLLM leaves its own logger out for it, else add mode's (:mod:`.replace`)."""
     from otel_llm.integrations.vllm import replace as vllm_replace
 
-    replace = vllm_replace.requested() and vllm_replace.version_obstacle() is None
+    replace = vllm_replace.requested() and vllm_replace.structure_obstacle() is None
     return _make_logger_class(replace)
 
 
