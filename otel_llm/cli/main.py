@@ -9,6 +9,7 @@ from typing import Optional, Sequence
 from otel_llm.cli.demo import demo
 from otel_llm.cli.demo_stack import demo_on_stack
 from otel_llm.cli.demo_vllm import demo_vllm
+from otel_llm.cli.doctor import doctor
 
 DESCRIPTION = (
     "otel-llm: OpenTelemetry instrumentation for LLM serving engines. Its demos run an engine "
@@ -93,6 +94,16 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--start-timeout", type=float, default=600.0, help="seconds vLLM may take to start")
     v.add_argument("--no-progress", action="store_true", help="no progress on stderr")
     v.set_defaults(func=demo_vllm)
+    doc = sub.add_parser(
+        "doctor",
+        help="say which engines are here, which otel-llm parts attach and why not, and the settings",
+        description="Run in the serving environment: the engines installed and their versions, each "
+        "otel-llm part (vLLM's stat logger, deep hook, attribution, replace mode, Rust frontend; the "
+        "transformers instrumentor) and whether it attaches there, and why not; the telemetry settings "
+        "as resolved from the environment, and whether the OTLP endpoint answers. Exit status 1 when "
+        "something asked for cannot attach, 2 for a bad setting.",
+    )
+    doc.set_defaults(func=lambda args: doctor(sys.stdout))
     return parser
 
 

@@ -1,0 +1,67 @@
+"""`otel-llm doctor` outside any engine: it says so and exits cleanly; a bad setting exits 2
+naming it; an OTLP endpoint that is set is tried for real (a loopback receiver, a closed port)."""
+
+from __future__ import annotations
+
+import io
+import socket
+import subprocess
+import sys
+
+from otel_llm.cli.doctor import doctor
+from tests.support.backends import start_otlp_sink
+
+BASE = {"OTEL_METRICS_EXPORTER": "otlp", "OTEL_TRACES_EXPORTER": "otlp"}
+
+
+def run(environ: dict[str, str]) -> tuple[int, str]:
+    out = io.StringIO()
+    return doctor(out, environ), out.getvalue()
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # closed again when the block ends: nothing listens there
+
+
+def test_outside_any_engine_it_says_so_and_exits_cleanly() -> None:
+    status, text = run({**BASE, "OTEL_LLM_NAMING": "semconv", "OTEL_LLM_PREEMPTION_BUCKETS": "1,5,50"})
+    assert status == 0, text
+    assert "no serving engine installed (vLLM, transformers): nothing to attach to here" in text
+    assert "naming semconv" in text and "buckets 1, 5, 50" in text
+    assert "(default): " in text  # the SDK's default endpoint: tried, a note whatever it answers
+    assert text.rstrip().endswith("everything asked for attaches")
+
+
+def test_a_bad_setting_exits_2_naming_it() -> None:
+    status, text = run({**BASE, "OTEL_LLM_PREEMPTION_BUCKETS": "0,1"})
+    assert status == 2 and "OTEL_LLM_PREEMPTION_BUCKETS" in text, text
+    status, text = run({**BASE, "OTEL_LLM_VLLM_DEEP_HOOK": "maybe"})
+    assert status == 2 and "OTEL_LLM_VLLM_DEEP_HOOK='maybe'" in text, text
+
+
+def test_the_otlp_endpoint_set_is_tried() -> None:
+    with start_otlp_sink("grpc") as sink:
+        status, text = run({**BASE, "OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint})
+    assert status == 0 and f"OTLP grpc {sink.endpoint}: answers" in text, text
+    dead = f"http://127.0.0.1:{_closed_port()}"
+    status, text = run({**BASE, "OTEL_EXPORTER_OTLP_ENDPOINT": dead, "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"})
+    assert status == 1, text
+    assert f"OTLP http/protobuf {dead}/v1/metrics: does not answer" in text
+    assert text.rstrip().endswith("not attached or not reachable: OTLP endpoint")
+
+
+def test_python_dash_m_otel_llm_doctor() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "otel_llm", "doctor"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin", "OTEL_TRACES_EXPORTER": "none", "OTEL_METRICS_EXPORTER": "prometheus"},
+    )
+    assert done.returncode == 0, done.stderr
+    assert (
+        done.stdout.startswith("otel-llm doctor: otel-llm ")
+        and "Prometheus endpoint http://127.0.0.1:9464" in done.stdout
+    )
