@@ -173,16 +173,13 @@ def shape_problem() -> Optional[str]:
 
 
 def _install() -> Optional[str]:
-    from vllm.v1.metrics import stats as vstats
-
-    cls = getattr(vstats, "IterationStats", None)
-    if cls is None:
-        return "vllm.v1.metrics.stats.IterationStats not found"
-    if getattr(cls.update_from_events, _MARK, False):
-        return None  # already wrapped (e.g. by another copy of this module)
-    problem = _shape_ok(cls)
+    problem = shape_problem()
     if problem:
         return problem
+    from vllm.v1.metrics.stats import IterationStats as cls
+
+    if getattr(cls.update_from_events, _MARK, False):
+        return None  # already wrapped (e.g. by another copy of this module)
 
     orig_events = cls.update_from_events
     orig_finished = cls.update_from_finished_request
