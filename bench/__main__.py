@@ -30,7 +30,7 @@ SECTIONS: dict[str, Callable[[bool, int], dict[str, Any]]] = {
 }
 HERE = Path(__file__).resolve().parent
 # Written by their own commands in vLLM's environments (python -m bench.vllm_engine in
-# .venv-vllm-cpu, python -m bench.vllm_record in .venv-vllm): a run here keeps them from the
+# .venv-vllm-cpu, python -m bench.vllm_record in .venv-vllm-<release>): a run here keeps them from the
 # file it replaces.
 KEPT_SECTIONS = (
     vllm_engine.KEY,

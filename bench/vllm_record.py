@@ -1,4 +1,5 @@
-"""``python -m bench.vllm_record [--reps N] [--requests N] [--tokens N] [--out PATH]`` (in .venv-vllm)
+"""``python -m bench.vllm_record [--reps N] [--requests N] [--tokens N] [--out PATH]``
+(in .venv-vllm-<release>; ``make setup-vllm`` makes the newest release's)
 
 What the plugin's stat logger costs vLLM's frontend per engine step, beside vLLM's own
 Prometheus logger, without a server: a scripted engine-core stream
