@@ -150,4 +150,4 @@ def test_the_entry_point_names_the_instrumentor() -> None:
 
     [entry] = [e for e in entry_points(group="opentelemetry_instrumentor") if e.name == "otel_llm_transformers"]
     assert entry.load() is TransformersInstrumentor
-    assert TransformersInstrumentor().instrumentation_dependencies() == ("transformers >= 5.18.0, < 5.25",)
+    assert TransformersInstrumentor().instrumentation_dependencies() == ("transformers >= 5.18.0, < 5.26",)

@@ -38,12 +38,12 @@ except ModuleNotFoundError as exc:  # the one thing the [transformers] extra add
 from otel_llm.integrations.transformers import internals
 from otel_llm.integrations.transformers.observer import BatchObserver, starved_ids
 from otel_llm.integrations.transformers.package import _instruments
-from otel_llm.integrations.transformers.serve import TraceContextMiddleware, current_carrier
+from otel_llm.integrations.transformers.serve import TraceContextMiddleware, carried, carrying, current_carrier
 
 _log = logging.getLogger(__name__)
 
 PROVIDER_NAME = "transformers"  # gen_ai.provider.name: which engine served (docs/transformers.md)
-MAX_CARRIERS = 65_536  # trace contexts held from add_request until the engine sees the request
+MAX_CARRIERS = 65_536  # trace contexts and client request ids held until the engine sees the request
 
 
 class _Telemetry:
@@ -97,6 +97,8 @@ class _Instrumentation:
         self.installed: list[tuple[Any, str, Any]] = []  # (holder, attribute, original)
         self.observers: weakref.WeakKeyDictionary[Any, Optional[BatchObserver]] = weakref.WeakKeyDictionary()
         self.carriers: dict[str, dict[str, str]] = {}
+        # transformers' request id -> the client's, for requests an API server sent this engine process.
+        self.client_ids: dict[str, str] = {}
         self.current = threading.local()  # the observer of the engine call running on this thread
         self.active = True
         self._failed: set[str] = set()
@@ -112,7 +114,7 @@ class _Instrumentation:
         config = getattr(processor, "config", None)
         model = getattr(config, "name_or_path", "") or ""
         telemetry = self.telemetry.for_model(str(model))
-        observer = BatchObserver(telemetry, self.carriers, telemetry.config.max_inflight_requests)
+        observer = BatchObserver(telemetry, self.carriers, telemetry.config.max_inflight_requests, self.client_ids)
         self.observers[router] = observer
         return observer
 
@@ -159,6 +161,8 @@ class _Instrumentation:
         self.wrap("fail_and_deliver", self._fail_and_deliver)
         self.wrap("add_request", self._add_request)
         self.wrap("build_server", self._build_server)
+        self.wrap("send_request", self._send_request)
+        self.wrap("runner_generate", self._runner_generate)
 
     def _engine_call(self, original: Callable[..., Any], after: Callable[[BatchObserver, Any, Any], None]) -> Any:
         """A ContinuousBatchProcessor method: its observer is current on this thread during the
@@ -266,9 +270,7 @@ class _Instrumentation:
                             with manager._request_lock:
                                 request_id = f"req_{manager._request_counter}"
                                 manager._request_counter += 1
-                        if len(self.carriers) >= MAX_CARRIERS:
-                            self.carriers.pop(next(iter(self.carriers)), None)
-                        self.carriers[request_id] = carrier
+                        _keep(self.carriers, request_id, carrier)
                 except Exception:  # noqa: BLE001 - never into transformers
                     self.failed("ContinuousBatchingManager.add_request (trace context)")
             result = original(manager, input_ids, request_id, *args, **kwargs)
@@ -290,6 +292,39 @@ class _Instrumentation:
 
         return build_server
 
+    def _send_request(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        """In a transformers serve API server: a request's inputs sent to the engine process carry
+        the client's request id and the caller's trace context (.serve.CarriedInputs)."""
+
+        async def send_request(client: Any, method: Any, args: Any, *rest: Any, **kwargs: Any) -> Any:
+            if self.active and method == "generate":
+                try:
+                    if isinstance(args, tuple) and args and isinstance(args[0], dict):
+                        args = (carrying(args[0]), *args[1:])
+                except Exception:  # noqa: BLE001 - never into transformers
+                    self.failed("EngineClient._send_request (trace context)")
+            return await original(client, method, args, *rest, **kwargs)
+
+        return send_request
+
+    def _runner_generate(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        """In transformers serve's engine process: what the API server sent along, kept for the
+        request's span (its client's id, the caller's carrier)."""
+
+        def generate(runner: Any, request_id: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            if self.active:
+                try:
+                    client_id, carrier = carried(inputs)
+                    if client_id is not None:
+                        _keep(self.client_ids, str(request_id), client_id)
+                    if carrier is not None:
+                        _keep(self.carriers, str(request_id), carrier)
+                except Exception:  # noqa: BLE001 - never into transformers
+                    self.failed("CBGenerateRunner.generate (trace context)")
+            return original(runner, request_id, inputs, *args, **kwargs)
+
+        return generate
+
     def _drop_current(self, where: str) -> None:
         observer = getattr(self.current, "observer", None)
         self.current.observer = None
@@ -298,6 +333,13 @@ class _Instrumentation:
                 self.failed(where, router)
                 return
         self.failed(where)
+
+
+def _keep(kept: dict[str, Any], request_id: str, value: Any) -> None:
+    """``kept[request_id] = value``, the oldest forgotten past :data:`MAX_CARRIERS`."""
+    if len(kept) >= MAX_CARRIERS:
+        kept.pop(next(iter(kept)), None)
+    kept[request_id] = value
 
 
 class TransformersInstrumentor(BaseInstrumentor):

@@ -35,7 +35,9 @@ class Target:
     attribute: str
     parameters: tuple[str, ...]  # leading parameters, self aside
     degrades: str  # what the telemetry loses when the check fails
-    optional_module: bool = False  # an import failure means "feature not installed": skipped silently
+    # An import failure, or a module without the owner class, means "not in this release or not
+    # installed": skipped silently.
+    optional_module: bool = False
 
     @property
     def qualname(self) -> str:
@@ -43,9 +45,19 @@ class Target:
 
     def holder(self) -> Any:
         module = importlib.import_module(self.module)
-        return getattr(module, self.owner) if self.owner else module
+        if not self.owner:
+            return module
+        if self.optional_module and not hasattr(module, self.owner):
+            raise ImportError(f"{self.module} has no {self.owner}")
+        return getattr(module, self.owner)
 
 
+# transformers serve since 5.25: its engine in a process of its own (request ids of the API server's
+# making; the caller's carrier and the client's request id sent along: .serve.CarriedInputs).
+ENGINE_PROCESS = (
+    "`transformers serve` with its engine in a process of its own: request spans are trace roots named by "
+    "transformers' internal request ids"
+)
 TARGETS: tuple[Target, ...] = (
     Target(
         "prepare_next_batch", f"{CB}.continuous_api", "ContinuousBatchProcessor", "prepare_next_batch", (), REQUIRED
@@ -84,6 +96,24 @@ TARGETS: tuple[Target, ...] = (
         "build_server",
         (),
         "`transformers serve` does not read the traceparent header: request spans are trace roots",
+        optional_module=True,
+    ),
+    Target(
+        "send_request",
+        "transformers.cli.serving.model_manager",
+        "EngineClient",
+        "_send_request",
+        ("method", "args"),
+        ENGINE_PROCESS,
+        optional_module=True,
+    ),
+    Target(
+        "runner_generate",
+        "transformers.cli.serving.utils",
+        "CBGenerateRunner",
+        "generate",
+        ("request_id", "inputs"),
+        ENGINE_PROCESS,
         optional_module=True,
     ),
 )

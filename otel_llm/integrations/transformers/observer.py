@@ -34,6 +34,7 @@ count goes on where it was. Timestamps are ``time.monotonic()``; transformers st
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -64,9 +65,13 @@ class _Request:
 class BatchObserver:
     """Translate one engine's state changes into events for an ``EngineTelemetry``."""
 
-    def __init__(self, telemetry: Any, carriers: Any, max_requests: int) -> None:
+    def __init__(self, telemetry: Any, carriers: Any, max_requests: int, client_ids: Any = None) -> None:
         self.telemetry = telemetry
         self._carriers = carriers  # request id -> W3C carrier, filled by add_request (caller's thread)
+        # transformers' request id -> the client's (transformers serve's engine process): the
+        # telemetry names the request by the latter, from its arrival to its finish.
+        self._client_ids = client_ids if client_ids is not None else {}
+        self._names: dict[str, str] = {}
         self._max_requests = max_requests
         self._requests: OrderedDict[str, _Request] = OrderedDict()  # waiting and running, oldest first
         self._running: dict[str, _Request] = {}
@@ -84,7 +89,11 @@ class BatchObserver:
         if len(self._requests) >= self._max_requests:
             old_rid, _ = self._requests.popitem(last=False)  # the telemetry's own cap evicts it too
             self._running.pop(old_rid, None)
+            self._names.pop(old_rid, None)
         self._requests[rid] = _Request(state)
+        client_id = self._client_ids.pop(rid, None)
+        if client_id is not None:
+            self._names[rid] = client_id
         self._arrived(state, rid)
 
     def _arrived(self, state: Any, rid: str) -> None:
@@ -194,9 +203,22 @@ class BatchObserver:
     def publish(self, stats: Optional[StepStats] = None) -> None:
         if self._events:
             events, self._events = self._events, []
+            if self._names:
+                events = [self._named(e) for e in events]
             self.telemetry.on_events(events)
         if stats is not None:
             self.telemetry.on_step(stats)
+
+    def _named(self, event: RequestEvent) -> RequestEvent:
+        """``event`` with the client's ids for transformers' (its request and its causes)."""
+        names = self._names
+        name = names.get(event.request_id)
+        causes = tuple(names.get(c, c) for c in event.causes)
+        if event.type is EventType.FINISHED:
+            names.pop(event.request_id, None)
+        if name is None and causes == event.causes:
+            return event
+        return dataclasses.replace(event, request_id=name or event.request_id, causes=causes)
 
     def in_flight(self) -> int:
         return len(self._requests)

@@ -4,7 +4,7 @@ and the two the suite runs on: the oldest of the range and the newest (``transfo
 
 import sys
 
-TESTED_VERSIONS = ("5.18.0", "5.24.0")
+TESTED_VERSIONS = ("5.18.0", "5.25.0")
 
 # Up to the newest tested release's minor version; a later one is instrumented as far as the
 # checks hold, with one warning.
