@@ -16,6 +16,7 @@ TRANSFORMERS_DEPS = torch==2.13.0 "pytest>=8" "oteltest>=0.40" psutil
 define transformers_venv
 $(1)/.ready-transformers-$(2): pyproject.toml
 	test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
+	rm -f $(1)/.ready-transformers-*
 	$(1)/bin/python -m pip install -q torch==2.13.0
 	$(1)/bin/python -m pip install -q "transformers[serving]==$(2)" $(TRANSFORMERS_DEPS) -e '.[transformers]'
 	touch $$@

@@ -57,7 +57,7 @@ def _checked(check: Callable[[], Optional[str]]) -> Optional[str]:
 
 
 def vllm_parts(environ: Mapping[str, str]) -> list[Part]:
-    from otel_llm.integrations.vllm import deep_hook, engine_core, frontend, replace
+    from otel_llm.integrations.vllm import deep_hook, engine_core, engine_tap, frontend, replace
 
     deep = deep_hook.enabled(environ)
     mode = replace.mode(environ)
@@ -95,9 +95,9 @@ def vllm_parts(environ: Mapping[str, str]) -> list[Part]:
         ),
         Part(
             "vLLM Rust frontend",
-            "it calls no stat-logger plugin and otel-llm has no engine-core path yet: nothing is recorded",
+            _checked(engine_tap.shape_problem),
             rust,
-            f"{frontend.RUST_FRONTEND_ENV}=1",
+            f"metrics and spans from the engine core's stream ({frontend.RUST_FRONTEND_ENV}=1)",
         ),
     ]
 

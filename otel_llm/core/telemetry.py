@@ -278,13 +278,25 @@ class EngineTelemetry:
             if self._closed:
                 return 0
             self._closed = True
-            in_flight = self.tracker.drain()
-            for req in in_flight:
-                if req.span is not None:
-                    self.spans.abandon(req.span, None, SHUTDOWN)  # type: ignore[union-attr]  # a req.span implies self.spans
+            in_flight = self.end_in_flight(SHUTDOWN)
             self._sink.forget_reserved()
             self._sink.spans = None
-            return len(in_flight)
+            return in_flight
+
+    def end_in_flight(self, why: str) -> int:
+        """End the spans of the requests in flight, marked incomplete ``why`` (``shutdown``,
+        ``engine_dead``), and forget them; how many there were. The telemetry goes on."""
+        try:
+            self.apply_pending()
+            with self.metrics.lock:
+                in_flight = self.tracker.drain()
+                for req in in_flight:
+                    if req.span is not None:
+                        self.spans.abandon(req.span, None, why)  # type: ignore[union-attr]  # a req.span implies self.spans
+                return len(in_flight)
+        except Exception:  # noqa: BLE001 - never into the engine
+            self._sink.internal_error(None)
+            return 0
 
 
 def _valid_step(stats: StepStats) -> bool:

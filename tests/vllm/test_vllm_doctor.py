@@ -31,7 +31,7 @@ def test_every_part_attaches_on_this_release() -> None:
     assert [rows[p] for p in ("vLLM stat logger", "vLLM deep hook", "vLLM frontend part", "vLLM attribution")] == [
         "ok"
     ] * 4
-    assert rows["vLLM replace mode"] == "ready" and rows["vLLM Rust frontend"] == "no"
+    assert rows["vLLM replace mode"] == "ready" and rows["vLLM Rust frontend"] == "ready"
 
 
 def test_a_release_ci_does_not_prove_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -73,7 +73,16 @@ def test_a_renamed_method_and_a_changed_parameter_fail_the_deep_hook(monkeypatch
     assert "propagate_error not found on AsyncLLM / OutputProcessor" in text
 
 
-def test_the_rust_frontend_asked_for_fails() -> None:
+def test_the_rust_frontend_attaches_and_a_changed_stream_fails_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.v1.engine.core import EngineCoreProc
+
+    status, rows, text = run({**DEEP, "VLLM_USE_RUST_FRONTEND": "1"})
+    assert status == 0 and rows["vLLM Rust frontend"] == "ok", text
+
+    def send(socket, buffers, copy):  # a future vLLM's hand-over, another parameter list
+        pass
+
+    monkeypatch.setattr(EngineCoreProc, "_send_msg_tracking_payload", staticmethod(send))
     status, rows, text = run({**DEEP, "VLLM_USE_RUST_FRONTEND": "1"})
     assert status == 1 and rows["vLLM Rust frontend"] == "FAIL", text
-    assert "otel-llm has no engine-core path yet" in text
+    assert "EngineCoreProc._send_msg_tracking_payload(socket, buffers), a staticmethod, not found" in text

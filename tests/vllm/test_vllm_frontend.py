@@ -1,46 +1,73 @@
-"""vLLM's Rust frontend calls no stat-logger plugin: the plugin's general entry point (run in
-vLLM's Python processes) says so, once, naming the variable."""
+"""vLLM's Rust frontend calls no stat-logger plugin: the plugin's general entry point (run in every
+vLLM process) starts the engine-core stream's consumer in ``vllm serve``'s own process (no
+multiprocessing parent) and the hand-over in the processes it starts; under the Python frontend,
+neither."""
 
 from __future__ import annotations
 
 import logging
+import multiprocessing
+import os
+from typing import Any, Iterator
 
 import pytest
 
+from otel_llm.integrations.vllm import cause_channel, engine_tap, frontend, stream_channel
+from otel_llm.integrations.vllm.stream_consumer import StreamConsumer
+
 
 @pytest.fixture
-def fresh(monkeypatch):
-    from otel_llm.integrations.vllm import frontend
-
-    monkeypatch.setattr(frontend, "_warned", [])
+def fresh(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Iterator[list[Any]]:
+    started: list[Any] = []
+    monkeypatch.setattr(frontend, "_started", started)
     monkeypatch.delenv("OTEL_LLM_VLLM_DEEP_HOOK", raising=False)
+    monkeypatch.delenv(cause_channel.ENV, raising=False)
+    yield started
+    for part in started:
+        if isinstance(part, StreamConsumer):
+            part.close()
+    engine_tap.uninstall()
+    os.environ.pop(cause_channel.ENV, None)
 
 
-def _warnings(caplog) -> list[str]:
-    return [
-        r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "Rust frontend" in r.getMessage()
-    ]
-
-
-def test_rust_frontend_is_named_once(fresh, monkeypatch, caplog):
+def test_in_vllm_serves_process_the_consumer_starts_once(fresh, monkeypatch, caplog):
     from otel_llm.integrations.vllm.deep_hook import register
 
     monkeypatch.setenv("VLLM_USE_RUST_FRONTEND", "1")
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.INFO, logger="otel_llm.integrations.vllm.frontend"):
         register()
         register()  # vLLM may load general plugins more than once in a process
-    (line,) = _warnings(caplog)
-    assert "VLLM_USE_RUST_FRONTEND=1" in line and "/metrics" in line
+    [consumer] = fresh
+    assert isinstance(consumer, StreamConsumer)
+    path = os.environ[cause_channel.ENV]  # made here: the engine cores inherit it
+    assert os.path.exists(os.path.join(path, stream_channel.SOCKET_NAME))
+    [line] = [r.getMessage() for r in caplog.records]
+    assert "VLLM_USE_RUST_FRONTEND=1: recording vLLM's engine-core stream in this process" in line
+
+
+def test_in_an_engine_core_the_hand_over_attaches(fresh, monkeypatch, tmp_path):
+    from vllm.v1.engine.core import EngineCore
+
+    from otel_llm.integrations.vllm.deep_hook import register
+
+    original = EngineCore.add_request
+    monkeypatch.setenv("VLLM_USE_RUST_FRONTEND", "1")
+    monkeypatch.setenv(cause_channel.ENV, str(tmp_path))  # inherited from vllm serve's process
+    monkeypatch.setattr(multiprocessing, "parent_process", lambda: object())
+    register()
+    assert fresh == [engine_tap] and EngineCore.add_request is not original
 
 
 @pytest.mark.parametrize("value", [None, "0", "no"])
-def test_python_frontend_says_nothing(fresh, monkeypatch, caplog, value):
+def test_python_frontend_starts_neither(fresh, monkeypatch, value):
+    from vllm.v1.engine.core import EngineCore
+
     from otel_llm.integrations.vllm.deep_hook import register
 
     if value is None:
         monkeypatch.delenv("VLLM_USE_RUST_FRONTEND", raising=False)
     else:
         monkeypatch.setenv("VLLM_USE_RUST_FRONTEND", value)
-    with caplog.at_level(logging.WARNING):
-        register()
-    assert _warnings(caplog) == []
+    original = EngineCore.add_request
+    register()
+    assert fresh == [] and EngineCore.add_request is original and cause_channel.ENV not in os.environ

@@ -76,12 +76,13 @@ def enabled(environ: Optional[Mapping[str, str]] = None) -> bool:
 
 
 def register() -> None:
-    """``vllm.general_plugins`` entry point: install when enabled, and say when vLLM's frontend
-    will not call the plugin at all (:mod:`.frontend`); never raises into vLLM."""
+    """``vllm.general_plugins`` entry point: under a frontend that calls no stat-logger plugin,
+    the engine-core stream's part of this process (:mod:`.frontend`); the deep hook when enabled;
+    never raises into vLLM."""
     try:
         from otel_llm.integrations.vllm import frontend
 
-        frontend.check()
+        frontend.start()
         if enabled():
             folder(create=True)  # before the engine cores start: they inherit where to report causes
             install()

@@ -1,22 +1,28 @@
-"""vLLM frontends that call no stat-logger plugin.
+"""vLLM frontends that call no stat-logger plugin: the Rust frontend (``VLLM_USE_RUST_FRONTEND=1``)
+serves the OpenAI API from a Rust binary in place of vLLM's Python API server, and never builds
+the plugin's stat logger (vLLM issue #58313).
 
-vLLM's experimental Rust frontend (``VLLM_USE_RUST_FRONTEND=1``) serves the OpenAI API from a
-Rust binary in place of vLLM's Python API server and calls no stat-logger plugin (vLLM issue
-#58313): the plugin is loaded (its ``vllm.general_plugins`` entry point runs in vLLM's Python
-processes) but its stat logger is never built, so it records nothing. :func:`check` says so,
-once per process, when the plugin's general entry point runs.
+There otel-llm records from the engine core's stream instead (:func:`start`, run by the plugin's
+``vllm.general_plugins`` entry point in every vLLM process): ``vllm serve``'s own process, the one
+with no multiprocessing parent, which makes the serve's channel folder and outlives its engine
+cores, runs the telemetry (:mod:`.stream_consumer`); the processes it starts (the engine cores)
+hand their stream over (:mod:`.engine_tap`). The user's settings are the Python frontend's: the
+``OTEL_*`` variables, ``OTEL_LLM_*``, ``OTEL_LLM_VLLM_DEEP_HOOK=1`` for the preemptions' causes.
 """
 
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
-from typing import Mapping
+from typing import Any, Mapping
+
+from otel_llm.integrations.vllm.cause_channel import folder
 
 _log = logging.getLogger(__name__)
 
 RUST_FRONTEND_ENV = "VLLM_USE_RUST_FRONTEND"
-_warned: list[bool] = []
+_started: list[Any] = []  # this process's part, once: the consumer, or the engine core's tap module
 
 
 def rust_frontend(environ: Mapping[str, str] = os.environ) -> bool:
@@ -28,16 +34,23 @@ def rust_frontend(environ: Mapping[str, str] = os.environ) -> bool:
         return False
 
 
-def check(environ: Mapping[str, str] = os.environ) -> bool:
-    """One warning (per process) when the frontend will not call the plugin; True then."""
+def start(environ: Mapping[str, str] = os.environ) -> bool:
+    """Under the Rust frontend, this process's part (once): the consumer in ``vllm serve``'s own
+    process, the hand-over in the processes it starts. True when the Rust frontend is on."""
     if not rust_frontend(environ):
         return False
-    if not _warned:
-        _warned.append(True)
-        _log.warning(
-            "otel-llm: %s=1: vLLM's Rust frontend calls no stat-logger plugin (vLLM issue #58313), so "
-            "otel-llm records no metric and no span in this server; scrape vLLM's own /metrics with an "
-            "OpenTelemetry Collector instead (docs/vllm.md)",
-            RUST_FRONTEND_ENV,
-        )
+    if _started:
+        return True
+    path = folder(create=True)  # made by the first process: the processes it starts inherit it
+    assert path is not None
+    if multiprocessing.parent_process() is None:
+        from otel_llm.integrations.vllm.stream_consumer import StreamConsumer
+
+        _started.append(StreamConsumer(path).start())
+        _log.info("otel-llm: %s=1: recording vLLM's engine-core stream in this process", RUST_FRONTEND_ENV)
+    else:
+        from otel_llm.integrations.vllm import engine_tap
+
+        engine_tap.install(path)
+        _started.append(engine_tap)
     return True

@@ -1,0 +1,204 @@
+"""Where the telemetry lives under a vLLM frontend that calls no stat-logger plugin (the Rust
+frontend): a thread in ``vllm serve``'s own process, which outlives its engine cores.
+
+It listens on the serve's stream channel (:mod:`.stream_channel`) and on its cause channel
+(:mod:`.cause_channel`); each engine core connects, says who it is, and hands over what it sent its
+frontend. Per engine: one ``EngineTelemetry`` (label ``engine``: its index) on the providers
+``setup_telemetry`` builds from the environment, fed by a :class:`.StreamTranslator`. An engine
+core that stops cleanly says so; one whose connection ends otherwise died: its requests in flight
+end, marked ``engine_dead``. When the serve exits, those still in flight end marked ``shutdown``
+and everything is flushed. Never an exception into vLLM: a failure is logged once and the
+consumer stops, vLLM serves on.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import select
+import socket
+import threading
+from typing import Any, Optional
+
+from otel_llm.catalogue import drops
+from otel_llm.config.settings import TelemetryConfig
+from otel_llm.integrations.vllm import cause_channel, stream_channel
+from otel_llm.integrations.vllm.stream_translate import StreamTranslator
+from otel_llm.summary import ENGINE_DEAD, SHUTDOWN
+
+_log = logging.getLogger("otel_llm.integrations.vllm")
+
+MAX_CAUSES = 65_536  # cause records kept until their preemption's output comes
+POLL_S = 0.5  # how often the thread looks whether it should stop, when nothing comes
+
+
+class _Engine:
+    def __init__(self, telemetry: Any, translator: StreamTranslator) -> None:
+        self.telemetry = telemetry
+        self.translator = translator
+        self.clean = False  # the engine core said it shut down
+
+
+class StreamConsumer:
+    """``StreamConsumer(folder).start()``; :meth:`close` at exit (registered with atexit).
+    ``handle``: providers already built (a ``TelemetryHandle``), else ``setup_telemetry`` builds
+    them from the environment at the first engine's hello."""
+
+    def __init__(self, folder: str, handle: Any = None) -> None:
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(os.path.join(folder, stream_channel.SOCKET_NAME))
+        self._listener.listen(64)
+        self._causes = cause_channel.Receiver(folder)
+        self._cause_book: dict[tuple[str, int], cause_channel.CauseRecord] = {}
+        self._connections: dict[socket.socket, stream_channel.Connection] = {}
+        self._engines: dict[socket.socket, _Engine] = {}
+        self._telemetry_by_index: dict[int, Any] = {}
+        self._handle: Any = handle
+        self._decoder: Any = None
+        self._stop = threading.Event()
+        self._lock = threading.Lock()  # the thread's work and close() never interleave
+        self._thread = threading.Thread(target=self._run, name="otel-llm engine stream", daemon=True)
+
+    def start(self) -> "StreamConsumer":
+        self._thread.start()
+        atexit.register(self.close)
+        return self
+
+    # -- the thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                ready, _, _ = select.select([self._listener, *self._connections], [], [], POLL_S)
+                with self._lock:
+                    if self._stop.is_set():
+                        return
+                    for peer in ready:
+                        if peer is self._listener:
+                            connection, _ = self._listener.accept()
+                            self._connections[connection] = stream_channel.Connection(connection)
+                        else:
+                            self._read(peer)
+        except Exception:  # noqa: BLE001 - never into vLLM: the consumer stops, vLLM serves on
+            _log.exception("otel-llm engine stream: the consumer failed and stops recording (reported once)")
+
+    def _read(self, peer: socket.socket) -> None:
+        try:
+            chunk = peer.recv(1 << 20)
+        except OSError:
+            chunk = b""
+        if chunk:
+            try:
+                for kind, payload in self._connections[peer].frames(chunk):
+                    self._frame(peer, kind, payload)
+                return
+            except ValueError as exc:
+                _log.warning("otel-llm engine stream: a connection sent garbage (%s); it is dropped", exc)
+        self._ended(peer)
+
+    def _frame(self, peer: socket.socket, kind: bytes, payload: bytes) -> None:
+        engine = self._engines.get(peer)
+        if kind == stream_channel.HELLO:
+            hello = json.loads(payload)
+            self._engines[peer] = self._engine(int(hello["engine"]), str(hello["model"]))
+        elif engine is None:
+            return  # before its hello (a consumer that started late): nothing to attribute it to
+        elif kind == stream_channel.OUTPUTS:
+            self._drain_causes()
+            engine.translator.outputs(self._decode(payload))
+        elif kind == stream_channel.REQUESTS:
+            engine.translator.given(json.loads(payload))
+            if engine.translator.lost_requests:
+                engine.telemetry.count_dropped(drops.ENGINE_STREAM_LOST, engine.translator.lost_requests)
+                engine.translator.lost_requests = 0
+        elif kind == stream_channel.LOST:
+            engine.telemetry.count_dropped(drops.ENGINE_STREAM_LOST, int(json.loads(payload)))
+        elif kind == stream_channel.BYE:
+            engine.clean = True
+
+    def _decode(self, payload: bytes) -> Any:
+        if self._decoder is None:
+            from vllm.v1.engine import EngineCoreOutputs
+            from vllm.v1.serial_utils import MsgpackDecoder
+
+            self._decoder = MsgpackDecoder(EngineCoreOutputs)
+        return self._decoder.decode(stream_channel.split_outputs(payload))
+
+    def _drain_causes(self) -> None:
+        book = self._cause_book
+        for record in self._causes.drain():
+            if len(book) >= MAX_CAUSES:
+                book.pop(next(iter(book)))
+            book[(record.victim, record.ordinal)] = record
+
+    def _cause_of(self, victim: str, ordinal: int) -> Optional[cause_channel.CauseRecord]:
+        return self._cause_book.pop((victim, ordinal), None)
+
+    def _engine(self, index: int, model: str) -> _Engine:
+        telemetry = self._telemetry_by_index.get(index)
+        if telemetry is None:
+            telemetry = self._telemetry_by_index[index] = self._new_telemetry(index, model)
+        return _Engine(telemetry, StreamTranslator(_publisher(telemetry), self._cause_of))
+
+    def _new_telemetry(self, index: int, model: str) -> Any:
+        from otel_llm.export.setup import setup_telemetry
+
+        if self._handle is None:
+            config = TelemetryConfig.from_env(defaults={"model_name": model} if model else None)
+            self._handle = setup_telemetry(config, port_taken="warn")
+        return self._handle.telemetry if index == 0 else self._handle.new_telemetry(engine=str(index))
+
+    def _ended(self, peer: socket.socket) -> None:
+        """A connection ended: its engine core stopped (said so) or died."""
+        self._connections.pop(peer, None)
+        engine = self._engines.pop(peer, None)
+        peer.close()
+        if engine is not None and engine.translator.drain():
+            engine.telemetry.end_in_flight(SHUTDOWN if engine.clean else ENGINE_DEAD)
+
+    # -- at exit ------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop; the requests still in flight end marked ``shutdown``; everything flushed."""
+        self._stop.set()
+        self._thread.join(timeout=2 * POLL_S)
+        with self._lock:
+            for peer in list(self._connections):
+                self._read_rest(peer)
+            for telemetry in self._telemetry_by_index.values():
+                telemetry.end_in_flight(SHUTDOWN)
+            if self._handle is not None:
+                self._handle.shutdown()
+                self._handle = None
+            self._causes.close()
+            self._listener.close()
+
+    def _read_rest(self, peer: socket.socket) -> None:
+        """What an engine core wrote before the serve stopped, then the connection closed."""
+        peer.setblocking(False)
+        while peer in self._connections:
+            try:
+                chunk = peer.recv(1 << 20)
+            except BlockingIOError:
+                break
+            except OSError:
+                chunk = b""
+            if not chunk:
+                break
+            for kind, payload in self._connections[peer].frames(chunk):
+                self._frame(peer, kind, payload)
+        self._connections.pop(peer, None)
+        self._engines.pop(peer, None)
+        peer.close()
+
+
+def _publisher(telemetry: Any) -> Any:
+    def publish(events: list, step: Any) -> None:
+        if events:
+            telemetry.on_events(events)
+        if step is not None:
+            telemetry.on_step(step)
+
+    return publish

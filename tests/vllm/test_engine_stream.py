@@ -1,0 +1,142 @@
+"""The engine-core stream under a frontend that calls no stat-logger plugin (the Rust frontend),
+on vLLM's own classes: ``EngineCoreOutputs`` encoded by vLLM's ``MsgpackEncoder`` as its engine
+core does, sent over the stream channel by an engine core's sender to a real consumer (a thread
+on Unix sockets), decoded with vLLM's ``MsgpackDecoder`` and recorded: exact preemption times,
+ordinals and causes, the histogram, the counters, the cut-short requests of a dead engine core."""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from typing import Any, Iterator
+
+import pytest
+from samples import otel_samples
+
+from otel_llm.events import CAUSE_REQUEST, CAUSE_SELF
+from otel_llm.integrations.vllm import cause_channel, engine_tap, stream_channel
+from otel_llm.integrations.vllm.cause_channel import CauseRecord
+from otel_llm.integrations.vllm.stream_consumer import StreamConsumer
+from tests.support.backends import wait_until
+
+QUEUED, SCHEDULED, PREEMPTED = 1, 2, 3
+
+
+@pytest.fixture
+def stream(otel: Any) -> Iterator[Any]:
+    """A consumer on in-memory readers, and an engine core's sender to it."""
+    folder = tempfile.mkdtemp(prefix="otel-llm-stream-")
+    o = otel()
+    consumer = StreamConsumer(folder, handle=o.handle).start()
+    sender = stream_channel.Sender(folder)
+    causes = cause_channel.Sender(folder)
+    o.folder, o.consumer, o.sender, o.causes = folder, consumer, sender, causes
+    yield o
+    sender.close()
+    consumer.close()
+
+
+def _encode(outputs: Any) -> bytes:
+    from vllm.v1.serial_utils import MsgpackEncoder
+
+    return stream_channel.outputs_frame(MsgpackEncoder().encode(outputs))
+
+
+def _out(rid: str, tokens: int = 0, events: tuple = (), finish: Any = None, prompt: int = 0) -> Any:
+    from vllm.v1.engine import EngineCoreEvent, EngineCoreEventType, EngineCoreOutput
+    from vllm.v1.metrics.stats import PrefillStats
+
+    return EngineCoreOutput(
+        request_id=rid,
+        new_token_ids=list(range(tokens)),
+        finish_reason=finish,
+        events=[EngineCoreEvent(EngineCoreEventType(kind), ts) for kind, ts in events] or None,
+        prefill_stats=PrefillStats(num_prompt_tokens=prompt) if prompt else None,
+    )
+
+
+def _outputs(ts: float, *outs: Any, finished: Any = None, running: int = 0, waiting: int = 0) -> Any:
+    from vllm.v1.engine import EngineCoreOutputs
+    from vllm.v1.metrics.stats import SchedulerStats
+
+    return EngineCoreOutputs(
+        engine_index=0,
+        outputs=list(outs),
+        timestamp=ts,
+        finished_requests=finished,
+        scheduler_stats=SchedulerStats(num_running_reqs=running, num_waiting_reqs=waiting),
+    )
+
+
+def _spans(o: Any) -> dict[str, Any]:
+    return {s.attributes["gen_ai.request.id"]: s for s in o.spans.get_finished_spans()}
+
+
+def test_a_load_with_preemptions_is_recorded_exactly(stream: Any) -> None:
+    from vllm.v1.engine import FinishReason
+
+    t = time.monotonic()
+    wall = time.time()
+    o = stream
+    o.sender.send(stream_channel.json_frame(stream_channel.HELLO, {"engine": 0, "model": "tiny"}))
+    o.sender.send(
+        stream_channel.json_frame(
+            stream_channel.REQUESTS, [["a", wall - 0.5, 12, 8, None], ["b", wall - 0.4, 7, 8, None]]
+        )
+    )
+    frames = [
+        _outputs(
+            t + 1.0,
+            _out("a", 1, ((QUEUED, t + 0.1), (SCHEDULED, t + 0.2))),
+            _out("b", 1, ((QUEUED, t + 0.15), (SCHEDULED, t + 0.3))),
+        ),
+        _outputs(t + 2.0, _out("a", 0, ((PREEMPTED, t + 1.5),)), _out("b", 1)),
+        _outputs(
+            t + 3.0,
+            _out("a", 1, ((SCHEDULED, t + 2.5), (PREEMPTED, t + 2.6), (SCHEDULED, t + 2.8))),
+            _out("b", 1, finish=FinishReason.LENGTH),
+        ),
+        _outputs(t + 4.0, _out("a", 2, finish=FinishReason.STOP)),
+    ]
+    # The engine core writes each preemption's cause inside schedule(), before that step's outputs.
+    o.causes.send(CauseRecord("a", 1, CAUSE_REQUEST, ("b",)))
+    o.sender.send(_encode(frames[0]) + _encode(frames[1]))
+    o.causes.send(CauseRecord("a", 2, CAUSE_SELF, ("a",)))
+    o.sender.send(_encode(frames[2]) + _encode(frames[3]))
+    wait_until(lambda: len(o.spans.get_finished_spans()) == 2, 30, what="both request spans")
+    spans = _spans(o)
+    a, b = spans["a"], spans["b"]
+    events = [e for e in a.events if e.name == "preempted"]
+    assert [e.attributes["ordinal"] for e in events] == [1, 2]
+    assert [e.attributes["cause"] for e in events] == ["request", "self"]
+    assert list(events[0].attributes["cause_request_ids"]) == ["b"]
+    assert a.attributes["llm.request.num_preemptions"] == 2 and b.attributes["llm.request.num_preemptions"] == 0
+    assert b.attributes["llm.request.num_preemptions_caused"] == 1
+    assert a.attributes["gen_ai.usage.input_tokens"] == 12 and a.attributes["gen_ai.usage.output_tokens"] == 4
+    assert b.attributes["gen_ai.response.finish_reasons"] == ("length",)
+    # Preempted 1.0 s after it was scheduled, the second 0.1 s after the first resume.
+    assert (events[1].timestamp - events[0].timestamp) == pytest.approx(1.1e9, abs=2e6)
+    samples = otel_samples(o.reader, {"vllm:request_num_preemptions", "vllm:num_preemptions", "vllm:request_success"})
+    labels = frozenset({"model_name": o.handle.config.model_name, "engine": "0"}.items())
+    assert samples[("vllm:request_num_preemptions_count", labels)] == 2
+    assert samples[("vllm:request_num_preemptions_sum", labels)] == 2
+    assert samples[("vllm:request_num_preemptions_bucket", labels | {("le", 0.5)})] == 1  # b, never preempted
+    assert samples[("vllm:num_preemptions_total", labels)] == 2
+    by_reason = {dict(k[1])["finished_reason"]: v for k, v in samples.items() if k[0] == "vllm:request_success_total"}
+    assert by_reason == {"stop": 1, "length": 1}
+
+
+def test_a_dead_engine_core_cuts_its_requests_short(stream: Any) -> None:
+    t = time.monotonic()
+    o = stream
+    o.sender.send(stream_channel.json_frame(stream_channel.HELLO, {"engine": 0, "model": "tiny"}))
+    o.sender.send(_encode(_outputs(t, _out("x", 1, ((QUEUED, t - 0.2), (SCHEDULED, t - 0.1)), prompt=5))))
+    o.sender.close()  # no goodbye: the engine core died
+    wait_until(lambda: len(o.spans.get_finished_spans()) == 1, 30, what="the cut-short span")
+    (span,) = o.spans.get_finished_spans()
+    assert span.attributes["llm.request.incomplete"] == "engine_dead"
+    assert span.status.status_code.name == "ERROR" and span.attributes["gen_ai.request.id"] == "x"
+
+
+def test_the_engine_core_hand_over_attaches_to_this_vllm() -> None:
+    assert engine_tap.shape_problem() is None
