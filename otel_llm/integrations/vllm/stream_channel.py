@@ -22,7 +22,7 @@ import socket
 import struct
 from typing import Any, Iterator, Optional, Sequence
 
-SOCKET_NAME = "stream.sock"
+SOCKET_NAME = "engine-stream"  # not *.sock: the cause channel's senders connect to every one of those
 HELLO, REQUESTS, OUTPUTS, LOST, BYE = b"H", b"R", b"O", b"L", b"B"
 MAX_PENDING = 8 << 20  # bytes kept while the consumer's socket is full; more frames are lost
 MAX_FRAME = 64 << 20  # a longer frame is garbage: the connection is dropped

@@ -1,12 +1,14 @@
 """vLLM's engine-core stream (``EngineCoreOutputs``, decoded) as otel-llm's events.
 
 Per request, on the engine core's own clock (``time.monotonic()``, the same clock host-wide):
-ARRIVED at its arrival (vLLM's wall-clock ``arrival_time`` brought onto that clock, never after
-its first engine-core event) with its prompt length, ``max_tokens`` and trace headers (from what
-the engine core was given, :mod:`.engine_tap`); QUEUED / SCHEDULED / PREEMPTED at the timestamps
-vLLM's scheduler recorded (a preemption carries its cause when the engine core reported one:
-:mod:`.engine_core`); FIRST_TOKEN / TOKENS at the step's timestamp; FINISHED with vLLM's finish
-reason. Per step, ``SchedulerStats`` as ``StepStats``. A request the engine core lists as
+ARRIVED as soon as the engine core tells what it was given (:mod:`.engine_tap`), at its arrival
+(vLLM's wall-clock ``arrival_time`` brought onto that clock) with its prompt length,
+``max_tokens`` and trace headers, so that a request that causes a preemption before its first
+output is known; QUEUED / SCHEDULED / PREEMPTED at the timestamps vLLM's scheduler recorded (never
+before the arrival taken: the two clocks are read apart), a preemption with its cause when the
+engine core reported one (:mod:`.engine_core`); FIRST_TOKEN / TOKENS at the step's timestamp;
+FINISHED with vLLM's finish reason. A request whose given row was lost arrives at its first
+engine-core event. Per step, ``SchedulerStats`` as ``StepStats``. A request the engine core lists as
 finished without a final output (aborted by its frontend) finishes ``abort``.
 """
 
@@ -26,19 +28,11 @@ _QUEUED, _SCHEDULED, _PREEMPTED = 1, 2, 3  # vLLM's EngineCoreEventType
 _FINISH = {0: "stop", 1: "length", 2: "abort", 3: "error", 4: "stop"}  # vLLM's FinishReason: repetition stops
 
 
-class _Given:
-    """What the engine core was given for one request."""
-
-    __slots__ = ("arrival", "prompt_tokens", "max_tokens", "headers")
-
-    def __init__(self, arrival: float, prompt_tokens: int, max_tokens: int, headers: Optional[dict]) -> None:
-        self.arrival, self.prompt_tokens, self.max_tokens, self.headers = arrival, prompt_tokens, max_tokens, headers
-
-
 class _Running:
-    __slots__ = ("preemptions", "tokens")
+    __slots__ = ("arrived", "preemptions", "tokens")
 
-    def __init__(self) -> None:
+    def __init__(self, arrived: float) -> None:
+        self.arrived = arrived  # the ARRIVED timestamp: no later event of the request before it
         self.preemptions = 0
         self.tokens = 0
 
@@ -54,8 +48,7 @@ class StreamTranslator:
     ) -> None:
         self._publish = publish
         self._cause_of = cause_of
-        self._given: collections.OrderedDict[str, _Given] = collections.OrderedDict()
-        self._running: dict[str, _Running] = {}
+        self._running: collections.OrderedDict[str, _Running] = collections.OrderedDict()
         self.lost_requests = 0  # requests the engine core could not tell us of (its queue was full)
 
     @property
@@ -63,16 +56,39 @@ class StreamTranslator:
         return len(self._running)
 
     def given(self, rows: list[list[Any]]) -> None:
-        """The engine core's REQUESTS frame: [id, arrival (wall clock), prompt tokens, max_tokens, headers]."""
-        wall = time.time() - time.monotonic()
+        """The engine core's REQUESTS frame: [id, arrival (wall clock), prompt tokens, max_tokens,
+        headers] per request added: each arrives."""
+        now = time.monotonic()
+        wall = time.time() - now
+        events = []
         for row in rows:
             if row and row[0] == "lost":
                 self.lost_requests += int(row[1])
                 continue
             request_id, arrival, prompt_tokens, max_tokens, headers = row
-            if len(self._given) >= MAX_KNOWN:
-                self._given.popitem(last=False)
-            self._given[str(request_id)] = _Given(float(arrival) - wall, int(prompt_tokens), int(max_tokens), headers)
+            rid = str(request_id)
+            if rid in self._running:
+                continue
+            at = min(float(arrival) - wall, now)
+            self._track(rid, at)
+            events.append(
+                RequestEvent(
+                    EventType.ARRIVED,
+                    rid,
+                    at,
+                    prompt_tokens=int(prompt_tokens),
+                    max_tokens=int(max_tokens),
+                    trace_context=dict(headers) if headers else None,
+                )
+            )
+        if events:
+            self._publish(events, None)
+
+    def _track(self, rid: str, arrived: float) -> _Running:
+        if len(self._running) >= MAX_KNOWN:  # the telemetry's own cap lets the oldest go too
+            self._running.popitem(last=False)
+        running = self._running[rid] = _Running(arrived)
+        return running
 
     def outputs(self, eco: Any) -> None:
         """One decoded ``EngineCoreOutputs``."""
@@ -83,44 +99,44 @@ class StreamTranslator:
             running = self._running.get(rid)
             core_events = out.events or ()
             if running is None:
-                running = self._running[rid] = _Running()
-                events.append(self._arrived(rid, out, min((e.timestamp for e in core_events), default=now)))
+                arrived = min((e.timestamp for e in core_events), default=now)
+                running = self._track(rid, arrived)
+                events.append(self._arrived(rid, out, arrived))
             for e in core_events:
-                kind = int(e.type)
+                kind, at = int(e.type), max(e.timestamp, running.arrived)
                 if kind == _QUEUED:
-                    events.append(RequestEvent(EventType.QUEUED, rid, e.timestamp))
+                    events.append(RequestEvent(EventType.QUEUED, rid, at))
                 elif kind == _SCHEDULED:
-                    events.append(RequestEvent(EventType.SCHEDULED, rid, e.timestamp))
+                    events.append(RequestEvent(EventType.SCHEDULED, rid, at))
                 elif kind == _PREEMPTED:
                     running.preemptions += 1
-                    events.append(self._preempted(rid, running.preemptions, e.timestamp))
+                    events.append(self._preempted(rid, running.preemptions, at))
+            step_at = max(now, running.arrived)
             new = len(out.new_token_ids or ())
             if new:
                 if running.tokens == 0:
-                    events.append(RequestEvent(EventType.FIRST_TOKEN, rid, now))
+                    events.append(RequestEvent(EventType.FIRST_TOKEN, rid, step_at))
                 running.tokens += new
-                events.append(RequestEvent(EventType.TOKENS, rid, now, num_tokens=new))
+                events.append(RequestEvent(EventType.TOKENS, rid, step_at, num_tokens=new))
             if out.finish_reason is not None:
                 reason = _FINISH.get(int(out.finish_reason), "stop")
-                events.append(RequestEvent(EventType.FINISHED, rid, now, finish_reason=reason))
+                events.append(RequestEvent(EventType.FINISHED, rid, step_at, finish_reason=reason))
                 del self._running[rid]
         for rid in eco.finished_requests or ():
             if self._running.pop(str(rid), None) is not None:  # ended with no final output: aborted
                 events.append(RequestEvent(EventType.FINISHED, str(rid), now, finish_reason="abort"))
         self._publish(events, self._step(eco.scheduler_stats, now))
 
-    def _arrived(self, rid: str, out: Any, first_event: float) -> RequestEvent:
-        given = self._given.pop(rid, None)
+    @staticmethod
+    def _arrived(rid: str, out: Any, at: float) -> RequestEvent:
+        """A request the engine core's given rows did not name (lost): what its output says."""
         prefill = getattr(out, "prefill_stats", None)
-        prompt_tokens = given.prompt_tokens if given else int(getattr(prefill, "num_prompt_tokens", 0) or 0)
-        headers = out.trace_headers or (given.headers if given else None)
         return RequestEvent(
             EventType.ARRIVED,
             rid,
-            min(given.arrival, first_event) if given else first_event,
-            prompt_tokens=prompt_tokens,
-            max_tokens=given.max_tokens if given else 0,
-            trace_context=dict(headers) if headers else None,
+            at,
+            prompt_tokens=int(getattr(prefill, "num_prompt_tokens", 0) or 0),
+            trace_context=dict(out.trace_headers) if out.trace_headers else None,
         )
 
     def _preempted(self, rid: str, ordinal: int, at: float) -> RequestEvent:

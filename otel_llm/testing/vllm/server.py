@@ -9,6 +9,11 @@ weights made locally with transformers: nothing is downloaded.
 KV pressure: 12 blocks of 32 tokens for up to 16 running sequences of up to 256 tokens, so
 concurrent requests really are preempted (vLLM's CPU attention needs a block size that is a
 multiple of 32 and a head size of 64, hence hidden 128 with 2 heads).
+
+vLLM's Rust frontend (``rust_frontend=True``): ``vllm serve`` starts the engine core and then
+the ``vllm-rs`` binary, which serves HTTP (and its own /metrics) in place of the Python API
+server. The binary ships in the ``vllm`` wheels only: ``make setup-vllm-engine`` puts it beside
+the venv's Python. It loads a tokenizer, saved here beside the model.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from types import MappingProxyType
 from typing import Any, Mapping, Optional, Sequence
 
 from otel_llm.stack.ports import LOOPBACK, free_port
-from otel_llm.testing.models import VOCAB_SIZE
+from otel_llm.testing.models import VOCAB_SIZE, make_tokenizer
 
 MODEL_NAME = "tiny-llama"
 MAX_MODEL_LEN = 256  # within the tiny Llama's 512 positions
@@ -41,7 +46,25 @@ KV_PRESSURE_ARGS = (
     "--max-num-seqs",
     "16",
 )
-SERVER_ARGS = ("--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager", *KV_PRESSURE_ARGS)
+ENGINE_ARGS = ("--dtype", "float32", "--enforce-eager", *KV_PRESSURE_ARGS)
+SERVER_ARGS = ("--skip-tokenizer-init", *ENGINE_ARGS)  # prompts as token ids, no tokenizer
+
+
+def rust_frontend_binary() -> Path:
+    """Where ``make setup-vllm-engine`` puts vLLM's Rust frontend: beside the venv's Python."""
+    return Path(sys.executable).parent / "vllm-rs"
+
+
+def rust_frontend_missing() -> Optional[str]:
+    """Why vLLM's Rust frontend cannot start here, or None when its binary is in place."""
+    binary = rust_frontend_binary()
+    if os.access(binary, os.X_OK):
+        return None
+    return f"vLLM's Rust frontend {binary} is missing: `make setup-vllm-engine` takes it from the vllm wheel"
+
+
+class RustFrontendMissing(FileNotFoundError):
+    pass
 
 
 _NO_ENV: Mapping[str, str] = MappingProxyType({})
@@ -72,6 +95,9 @@ class VllmServer:
 
     ``cli=True`` runs ``vllm serve`` instead (through :mod:`otel_llm.testing.vllm.launcher`), for
     the modes that only the command has: ``--api-server-count``, ``--data-parallel-size``.
+    ``rust_frontend=True`` (the command too) serves HTTP from vLLM's Rust frontend, with a
+    tokenizer saved beside the model; its keep-alive is long (vllm-rs cuts idle connections of
+    a client that waits on a long queue otherwise).
 
     ``nice`` lowers the server's priority (its processes inherit it): vLLM's CPU worker keeps
     every core busy, and a client that must act at a given point of the load (a test's fault)
@@ -85,8 +111,20 @@ class VllmServer:
         log_path: Optional[Path] = None,
         cli: bool = False,
         nice: int = 0,
+        rust_frontend: bool = False,
     ) -> None:
         self.model = model
+        self.rust_frontend = rust_frontend
+        rust_env: dict[str, str] = {}
+        if rust_frontend:
+            missing = rust_frontend_missing()
+            if missing is not None:
+                raise RustFrontendMissing(missing)
+            rust_env = {
+                "VLLM_USE_RUST_FRONTEND": "1",
+                "VLLM_RUST_FRONTEND_PATH": str(rust_frontend_binary()),
+                "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "600",
+            }
         self.nice = nice
         self.port = free_port()
         self.metrics_port = free_port()  # the plugin's own /metrics
@@ -95,11 +133,12 @@ class VllmServer:
                 "OTEL_METRICS_EXPORTER": "prometheus",
                 "OTEL_TRACES_EXPORTER": "none",
                 "OTEL_EXPORTER_PROMETHEUS_PORT": str(self.metrics_port),
+                **rust_env,
                 **dict(env),
             }
         )
         self.args = list(args)
-        self.cli = cli
+        self.cli = cli or rust_frontend
         self.log_path = log_path or Path(tempfile.mkdtemp(prefix="vllm-server-")) / "server.log"
         self.proc: Optional[subprocess.Popen] = None
 
@@ -126,11 +165,17 @@ class VllmServer:
             LOOPBACK,
             "--port",
             str(self.port),
-            *SERVER_ARGS,
+            *(ENGINE_ARGS if self.rust_frontend else SERVER_ARGS),
             *self.args,
         ]
 
     def start(self, timeout_s: float = 600.0, progress: Any = None) -> "VllmServer":
+        if self.proc is not None and self.proc.poll() is None:
+            # A second server on the same port would pass the health check on the first one's
+            # answer and leave it running when stop() ends the second.
+            raise ServerFailed("this server is already started (`with server:` starts it)")
+        if self.rust_frontend:
+            make_tokenizer(self.model)
         log = open(self.log_path, "ab")
         # nice(1) execs the server: the pid stays the server's.
         niced = ["nice", "-n", str(self.nice)] if self.nice else []
