@@ -260,6 +260,16 @@ class EngineTelemetry:
         except Exception:  # noqa: BLE001 - never into the engine
             self._sink.internal_error(None)
 
+    def credit_causes(self, victim: str, ordinal: int, cause_ids: Sequence[str]) -> None:
+        """Credit now the causes of ``victim``'s ``ordinal``-th preemption, whose event (naming
+        them) comes later (:meth:`.Tracker.credit_causes`); applied after what is pending."""
+        try:
+            self.apply_pending()
+            with self.metrics.lock:
+                self.tracker.credit_causes(victim, ordinal, cause_ids)
+        except Exception:  # noqa: BLE001 - never into the engine
+            self._sink.internal_error(None)
+
     def count_dropped(self, reason: str, n: int = 1) -> None:
         """Count ``n`` items lost for ``reason`` on ``otel_llm.dropped_events`` (e.g. by the export
         path). Safe from any thread that does not already hold the recorder's lock."""

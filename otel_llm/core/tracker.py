@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 from otel_llm.catalogue import drops
 from otel_llm.events import CAUSE_REQUEST, CAUSE_SELF, CAUSE_UNKNOWN, EventType, RequestEvent
@@ -141,6 +141,8 @@ class Tracker:
         # slot deleted from the front since the last resize: ~80 us per request at 10^5 ids).
         self.inflight: OrderedDict[str, RequestState] = OrderedDict()  # arrival order
         self.finished: OrderedDict[str, None] = OrderedDict()  # recently finished ids, oldest first
+        # (victim id, preemption ordinal) whose causes were credited before the victim's event came.
+        self.credited: OrderedDict[tuple[str, int], bool] = OrderedDict()
         # Keyed by whatever an event carries as its type: garbage finds no handler.
         self._handlers: dict[object, Callable[..., None]] = {
             EventType.ARRIVED: self._arrived,
@@ -267,9 +269,10 @@ class Tracker:
         req.recomputed_tokens += event.num_computed_tokens
         causes: list[tuple[str, Optional[RequestState]]] = []
         own = req.request_id
+        credited = bool(self.credited) and self.credited.pop((own, req.num_preemptions), False)
         for cause_id in dict.fromkeys(ids):  # each cause once, in the order given
             cause = self.inflight.get(cause_id)
-            if cause is not None:
+            if cause is not None and not credited:
                 cause.num_caused += 1
             causes.append((cause_id, cause))
         if causes:
@@ -313,6 +316,18 @@ class Tracker:
         self.finished[rid] = None
         if len(self.finished) > self.max_inflight:
             self.finished.popitem(last=False)
+
+    def credit_causes(self, victim: str, ordinal: int, cause_ids: Sequence[str]) -> None:
+        """The causes of ``victim``'s ``ordinal``-th preemption, known before its event comes (an
+        engine core reports them at once, the victim's event comes with its next output, maybe
+        after a cause finished): each cause in flight is credited now, the event credits none."""
+        for cause_id in dict.fromkeys(cause_ids):
+            cause = self.inflight.get(cause_id)
+            if cause is not None:
+                cause.num_caused += 1
+        if len(self.credited) >= self.max_inflight:
+            self.credited.popitem(last=False)
+        self.credited[(victim, ordinal)] = True
 
     def drain(self) -> list[RequestState]:
         """Forget every in-flight request (at shutdown) and return them."""

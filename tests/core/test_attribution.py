@@ -130,6 +130,25 @@ def test_a_cause_that_finished_first_is_linked_and_counted(span_path: str) -> No
     assert r.span("victim").attributes["llm.request.num_preemptions_caused"] == 0
 
 
+@SPAN_PATHS
+def test_causes_credited_before_the_victims_event_count_once(span_path: str) -> None:
+    """An engine core reports a preemption's cause at once; the victim's event comes with its
+    next output, here after the cause finished: credited then, counted once, still linked."""
+    r = _rig(span_path)
+    r.telemetry.on_events([*_lifecycle_start("victim", 1.0), *_lifecycle_start("cause", 1.0)])
+    r.telemetry.credit_causes("victim", 1, ("cause",))
+    r.telemetry.on_events([_finish("cause", 3.0)])
+    r.telemetry.on_events([_preempt("victim", 2.5, "cause"), RequestEvent(E.SCHEDULED, "victim", 4.0)])
+    r.telemetry.credit_causes("victim", 2, ("victim",))
+    r.telemetry.on_events([_preempt("victim", 4.5, "victim"), RequestEvent(E.SCHEDULED, "victim", 4.6)])
+    r.telemetry.on_events([_finish("victim", 5.0)])
+    cause, victim = r.span("cause"), r.span("victim")
+    assert cause.attributes["llm.request.num_preemptions_caused"] == 1
+    assert victim.attributes["llm.request.num_preemptions_caused"] == 1  # itself, once
+    assert _links(victim) == [(1, cause.context.trace_id, cause.context.span_id)]
+    assert r.histogram("request_num_preemptions_caused").sum == 2
+
+
 class _SampleOut(Sampler):
     """Samples every request but the one named (the SDK passes the span's start attributes)."""
 

@@ -127,11 +127,22 @@ class StreamConsumer:
         return self._decoder.decode(stream_channel.split_outputs(payload))
 
     def _drain_causes(self) -> None:
+        """Each cause record kept for its victim's event, and its causes credited at once: the
+        victim's event comes with its next output, maybe after a cause finished."""
         book = self._cause_book
         for record in self._causes.drain():
             if len(book) >= MAX_CAUSES:
                 book.pop(next(iter(book)))
             book[(record.victim, record.ordinal)] = record
+            for engine in self._engines.values():
+                if engine.translator.knows(record.victim):
+                    engine.telemetry.credit_causes(record.victim, record.ordinal, record.causes)
+                    break
+        if self._causes.lost:
+            for engine in self._engines.values():
+                engine.telemetry.count_dropped(drops.CAUSE_RECORDS_LOST, self._causes.lost)
+                break
+            self._causes.lost = 0
 
     def _cause_of(self, victim: str, ordinal: int) -> Optional[cause_channel.CauseRecord]:
         return self._cause_book.pop((victim, ordinal), None)

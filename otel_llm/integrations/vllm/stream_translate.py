@@ -51,9 +51,9 @@ class StreamTranslator:
         self._running: collections.OrderedDict[str, _Running] = collections.OrderedDict()
         self.lost_requests = 0  # requests the engine core could not tell us of (its queue was full)
 
-    @property
-    def in_flight(self) -> int:
-        return len(self._running)
+    def knows(self, request_id: str) -> bool:
+        """``request_id`` is in flight on this engine."""
+        return request_id in self._running
 
     def given(self, rows: list[list[Any]]) -> None:
         """The engine core's REQUESTS frame: [id, arrival (wall clock), prompt tokens, max_tokens,
