@@ -19,7 +19,7 @@ from otel_llm.events import CAUSE_UNKNOWN, RequestEvent
 from otel_llm.recording.recorder import Recorder
 from otel_llm.summary import RequestSummary
 from otel_llm.tracing.log_events import LogEvents
-from otel_llm.tracing.spans import RequestSpans
+from otel_llm.tracing.spans import RequestSpans, cut_short_attributes
 
 _log = logging.getLogger(__name__)
 EMPTY_CONTEXT = Context()  # records with no request span must not pick up an unrelated current span
@@ -27,6 +27,13 @@ EMPTY_CONTEXT = Context()  # records with no request span must not pick up an un
 # before their request finished (a cause an engine reports by summary); the oldest go beyond.
 MAX_LINK_TARGETS = 16_384
 LINK_ORDINAL = "llm.preemption.ordinal"  # a preemption link's attribute: the victim's preemption
+
+
+def so_far(req: RequestState) -> dict[str, Any]:
+    """The span attributes of a request cut short: what it had done."""
+    return cut_short_attributes(
+        req.prompt_tokens, req.generation_tokens, req.num_preemptions, req.num_caused, req.recomputed_tokens
+    )
 
 
 class DropLog:
@@ -141,7 +148,7 @@ class RequestSink:
     def request_evicted(self, req: RequestState) -> None:
         self.dropped(drops.EVICTED, req)
         if req.span is not None:
-            self.spans.abandon(req.span, req.last_ts, "evicted")  # type: ignore[union-attr]  # a req.span implies self.spans
+            self.spans.abandon(req.span, req.last_ts, "evicted", so_far(req))  # type: ignore[union-attr]  # a req.span implies self.spans
 
     def dropped(self, reason: str, event: Any) -> None:
         self.metrics.dropped(reason)

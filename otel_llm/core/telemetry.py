@@ -27,7 +27,7 @@ from otel_llm import _sdk
 from otel_llm.catalogue import drops
 from otel_llm.config.settings import TelemetryConfig
 from otel_llm.core import tracker as t
-from otel_llm.core.sink import EMPTY_CONTEXT, RequestSink
+from otel_llm.core.sink import EMPTY_CONTEXT, RequestSink, so_far
 from otel_llm.core.tracker import Tracker
 from otel_llm.events import RequestEvent, StepStats
 from otel_llm.recording.in_process import InProcessRecorder
@@ -302,7 +302,7 @@ class EngineTelemetry:
                 in_flight = self.tracker.drain()
                 for req in in_flight:
                     if req.span is not None:
-                        self.spans.abandon(req.span, None, why)  # type: ignore[union-attr]  # a req.span implies self.spans
+                        self.spans.abandon(req.span, None, why, so_far(req))  # type: ignore[union-attr]  # a req.span implies self.spans
                 return len(in_flight)
         except Exception:  # noqa: BLE001 - never into the engine
             self._sink.internal_error(None)

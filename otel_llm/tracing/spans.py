@@ -74,6 +74,19 @@ def request_spans(
     return RequestSpans(config, tracer, exemplar_filter)
 
 
+def cut_short_attributes(
+    prompt_tokens: int, generation_tokens: int, num_preemptions: int, num_caused: int, recomputed_tokens: int
+) -> dict[str, Any]:
+    """What a span cut short (its request evicted, shut down, its engine dead) says of it so far."""
+    return {
+        "gen_ai.usage.input_tokens": prompt_tokens,
+        "gen_ai.usage.output_tokens": generation_tokens,
+        "llm.request.num_preemptions": num_preemptions,
+        "llm.request.num_preemptions_caused": num_caused,
+        "llm.request.recomputed_tokens": recomputed_tokens,
+    }
+
+
 class RequestSpans:
     def __init__(self, config: TelemetryConfig, tracer: trace.Tracer, exemplar_filter: str) -> None:
         self.config = config
@@ -194,8 +207,11 @@ class RequestSpans:
             span.set_status(status)
         span.end(end_time=self.wall_ns(summary.finish_time))
 
-    def abandon(self, span: Any, ts: Optional[float], why: str) -> None:
-        """End a span whose request will never finish (evicted, shutdown), marked as such."""
+    def abandon(self, span: Any, ts: Optional[float], why: str, attributes: Optional[Mapping[str, Any]] = None) -> None:
+        """End a span whose request will never finish (evicted, shutdown), marked as such, with
+        ``attributes`` (what is known of it so far)."""
+        if attributes:
+            span.set_attributes(attributes)
         span.set_attribute("llm.request.incomplete", why)
         span.set_status(self._abandon_status(why))
         span.end(end_time=self.wall_ns(ts) if ts is not None else None)
@@ -347,9 +363,13 @@ class AssembledSpans(RequestSpans):
             span.attributes[LINKS_DROPPED] = span.links.dropped
         self._emit(span, events, self._end_status(summary), self.wall_ns(summary.finish_time))
 
-    def abandon(self, span: _OpenSpan, ts: Optional[float], why: str) -> None:
+    def abandon(
+        self, span: _OpenSpan, ts: Optional[float], why: str, attributes: Optional[Mapping[str, Any]] = None
+    ) -> None:
         events = span.events
         if events is None:
             return
+        if attributes:
+            span.attributes.update(attributes)
         span.attributes["llm.request.incomplete"] = why
         self._emit(span, events, self._abandon_status(why), self.wall_ns(ts) if ts is not None else time.time_ns())

@@ -128,3 +128,20 @@ def test_shutdown_ends_open_spans_once():
     (span,) = r.finished_spans()
     assert attrs(span.attributes)["llm.request.incomplete"] == "shutdown"
     assert span.status.status_code is StatusCode.ERROR
+
+
+def test_a_span_cut_short_says_what_its_request_had_done():
+    """An engine core dead mid-request: the span ends marked, with its counts so far, and the
+    telemetry goes on (end_in_flight, unlike shutdown)."""
+    for span_path in ("auto", "tracer"):
+        r = in_memory_telemetry(span_path=span_path)
+        events = lifecycle("cut", 1.0, preemptions=2, tokens=5, prompt_tokens=9)
+        r.telemetry.on_events(events[:-3])  # up to its first tokens, after both preemptions
+        assert r.telemetry.end_in_flight("engine_dead") == 1
+        r.telemetry.on_events(lifecycle("next", 9.0))
+        spans = {s.attributes["gen_ai.request.id"]: s for s in r.finished_spans()}
+        cut = attrs(spans["cut"].attributes)
+        assert cut["llm.request.incomplete"] == "engine_dead", span_path
+        assert (cut["llm.request.num_preemptions"], cut["gen_ai.usage.input_tokens"]) == (2, 9), span_path
+        assert [e.attributes["ordinal"] for e in spans["cut"].events if e.name == "preempted"] == [1, 2]
+        assert "llm.request.incomplete" not in spans["next"].attributes, span_path

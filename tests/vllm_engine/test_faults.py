@@ -58,6 +58,7 @@ class Stream:
     parent_id: str
     chunks: int = 0
     finish_reason: Optional[str] = None  # as the client saw it: "abort" when vLLM's shutdown ended it
+    response_id: Optional[str] = None  # the completion's id in its chunks
 
     @property
     def finished(self) -> bool:
@@ -117,9 +118,11 @@ async def _stream(session: Any, url: str, stream: Stream) -> None:
             async for line in response.content:
                 if not line.startswith(b"data: {"):
                     continue
-                choices = json.loads(line[6:]).get("choices")
+                chunk = json.loads(line[6:])
+                choices = chunk.get("choices")
                 if not choices:
                     continue  # an error event: vLLM ends the stream with it
+                stream.response_id = chunk.get("id") or stream.response_id
                 stream.chunks += 1
                 stream.finish_reason = choices[0].get("finish_reason") or stream.finish_reason
     except (aiohttp.ClientError, asyncio.TimeoutError):
@@ -242,7 +245,9 @@ class Served:
     log_path: str
 
 
-def _serve_with_fault(tiny_model: Path, fault: str, args: list[str], busy: bool, endpoint: str) -> Served:
+def _serve_with_fault(
+    tiny_model: Path, fault: str, args: list[str], busy: bool, endpoint: str, rust_frontend: bool = False
+) -> Served:
     env = {
         "OTEL_METRICS_EXPORTER": "otlp",
         "OTEL_TRACES_EXPORTER": "otlp",
@@ -253,7 +258,9 @@ def _serve_with_fault(tiny_model: Path, fault: str, args: list[str], busy: bool,
         "OTEL_LLM_VLLM_DEEP_HOOK": "1",
     }
     burner = None
-    with VllmServer(tiny_model, env=env, args=args, cli=bool(args), nice=SERVER_NICE) as server:
+    with VllmServer(
+        tiny_model, env=env, args=args, cli=bool(args), nice=SERVER_NICE, rust_frontend=rust_frontend
+    ) as server:
         assert server.proc is not None
         pid = server.proc.pid
         sigterm_at = [0.0]
@@ -288,9 +295,9 @@ def _serve_with_fault(tiny_model: Path, fault: str, args: list[str], busy: bool,
         return Served(streams, exit_s, str(server.log_path))
 
 
-def _run(tiny_model: Path, fault: str, args: list[str], busy: bool) -> Outcome:
+def _run(tiny_model: Path, fault: str, args: list[str], busy: bool, rust_frontend: bool = False) -> Outcome:
     with start_otlp_sink("grpc") as sink:
-        served = _serve_with_fault(tiny_model, fault, args, busy, sink.endpoint)
+        served = _serve_with_fault(tiny_model, fault, args, busy, sink.endpoint, rust_frontend)
         spans = [s for s in sink.spans() if s.name == "llm_request"]
         totals = _last_success_totals(sink)
         instances = {_instance(rs.resource) for req in list(sink.traces) for rs in req.resource_spans}
