@@ -18,7 +18,7 @@ import urllib.request
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import pytest
 
@@ -258,3 +258,29 @@ def test_every_preemption_names_its_cause_as_the_engine_core_recorded(rust_run: 
         ]
         assert links == expected, rid
     assert not {k: v for k, v in rust_run.ours.items() if "dropped_events" in k[0] and v}
+
+
+def test_data_parallel_engines_each_count_what_the_rust_frontend_counts(tiny_model: Path) -> None:
+    """``--data-parallel-size 2``: both engine cores hand their stream to the one consumer in
+    ``vllm serve``'s process; each engine's series (label ``engine``) equal the Rust frontend's."""
+    missing = rust_frontend_missing()
+    if missing is not None:
+        require_backend("vllm-rs", missing)
+    load = Load(requests=32, concurrency=32, max_tokens=64, seed=3)
+    with VllmServer(tiny_model, args=["--data-parallel-size", "2"], rust_frontend=True) as server:
+        completions = run_load(server.url, load)
+        assert [c.status for c in completions] == [200] * load.requests, server.log_tail()
+
+        def both() -> Optional[tuple[Samples, Samples]]:
+            rust, ours = scrape(server.url + "/metrics"), scrape(server.metrics_url)
+            done = all(_total(s, "vllm:request_success_total") >= load.requests for s in (rust, ours))
+            return (rust, ours) if done else None
+
+        rust, ours = wait_until(both, 60, interval=0.2, what="every request on both /metrics")
+    engines = set()
+    for name in ("vllm:request_success_total", "vllm:num_preemptions_total", "vllm:request_num_preemptions_count"):
+        theirs = {k: v for (n, k), v in rust.items() if n == name and v}
+        assert {k: v for (n, k), v in ours.items() if n == name and v} == theirs, name
+        engines |= {dict(k)["engine"] for k in theirs}
+    assert engines == {"0", "1"}
+    assert _total(ours, "vllm:request_success_total") == load.requests
