@@ -139,9 +139,9 @@ def test_a_span_cut_short_says_what_its_request_had_done():
         r.telemetry.on_events(events[:-3])  # up to its first tokens, after both preemptions
         assert r.telemetry.end_in_flight("engine_dead") == 1
         r.telemetry.on_events(lifecycle("next", 9.0))
-        spans = {s.attributes["gen_ai.request.id"]: s for s in r.finished_spans()}
+        spans = {attrs(s.attributes)["gen_ai.request.id"]: s for s in r.finished_spans()}
         cut = attrs(spans["cut"].attributes)
         assert cut["llm.request.incomplete"] == "engine_dead", span_path
         assert (cut["llm.request.num_preemptions"], cut["gen_ai.usage.input_tokens"]) == (2, 9), span_path
-        assert [e.attributes["ordinal"] for e in spans["cut"].events if e.name == "preempted"] == [1, 2]
-        assert "llm.request.incomplete" not in spans["next"].attributes, span_path
+        assert [attrs(e.attributes)["ordinal"] for e in spans["cut"].events if e.name == "preempted"] == [1, 2]
+        assert "llm.request.incomplete" not in attrs(spans["next"].attributes), span_path
