@@ -140,3 +140,23 @@ def test_a_dead_engine_core_cuts_its_requests_short(stream: Any) -> None:
 
 def test_the_engine_core_hand_over_attaches_to_this_vllm() -> None:
     assert engine_tap.shape_problem() is None
+
+
+def test_a_frontend_that_sends_trace_headers_parents_the_span(stream: Any) -> None:
+    """vllm-rs 0.32 sends none; a frontend that does (the request's ``trace_headers``) gets its
+    request span parented by them."""
+    from vllm.v1.engine import FinishReason
+
+    t, o = time.monotonic(), stream
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    o.sender.send(stream_channel.json_frame(stream_channel.HELLO, {"engine": 0, "model": "tiny"}))
+    o.sender.send(
+        stream_channel.json_frame(stream_channel.REQUESTS, [["p", time.time(), 3, 4, {"traceparent": parent}]])
+    )
+    o.sender.send(
+        _encode(_outputs(t + 0.5, _out("p", 4, ((QUEUED, t + 0.1), (SCHEDULED, t + 0.2)), FinishReason.LENGTH)))
+    )
+    wait_until(lambda: len(o.spans.get_finished_spans()) == 1, 30, what="the request span")
+    (span,) = o.spans.get_finished_spans()
+    assert format(span.context.trace_id, "032x") == "0af7651916cd43dd8448eb211c80319c"
+    assert span.parent is not None and format(span.parent.span_id, "016x") == "b7ad6b7169203331"
