@@ -77,6 +77,9 @@ class Sender:
     def send(self, data: bytes) -> None:
         """Send one or more whole frames, or lose them (counted); never blocks."""
         peer = self._peer or self._connect()
+        if peer is not None and self._pending:  # what waited goes first, as far as the socket takes it
+            self._pending = self._write(peer, self._pending)
+            peer = self._peer
         if peer is None:
             self._lose()
             return
@@ -85,8 +88,7 @@ class Sender:
         if len(self._pending) + len(data) > MAX_PENDING:
             self._lose()
             return
-        if self.lost:
-            self.lost = 0
+        self.lost = 0
         self._pending = self._write(peer, self._pending + data)
 
     def _lose(self) -> None:
