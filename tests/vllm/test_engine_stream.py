@@ -160,3 +160,33 @@ def test_a_frontend_that_sends_trace_headers_parents_the_span(stream: Any) -> No
     (span,) = o.spans.get_finished_spans()
     assert format(span.context.trace_id, "032x") == "0af7651916cd43dd8448eb211c80319c"
     assert span.parent is not None and format(span.parent.span_id, "016x") == "b7ad6b7169203331"
+
+
+def test_a_consumer_that_starts_late_counts_what_it_missed_and_says_so_once(otel: Any, caplog: Any) -> None:
+    import logging
+
+    from vllm.v1.engine import FinishReason
+
+    folder = tempfile.mkdtemp(prefix="otel-llm-stream-")
+    sender = stream_channel.Sender(folder)
+    hello = stream_channel.json_frame(stream_channel.HELLO, {"engine": 0, "model": "tiny"})
+    t = time.monotonic()
+    for _ in range(3):  # nobody listens yet: lost, counted by the engine core
+        sender.send(hello + _encode(_outputs(t)))
+    o = otel()
+    consumer = StreamConsumer(folder, handle=o.handle).start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="otel_llm.integrations.vllm"):
+            sender.send(
+                hello
+                + _encode(_outputs(t + 1, _out("late", 2, ((QUEUED, t), (SCHEDULED, t + 0.5)), FinishReason.LENGTH)))
+            )
+            wait_until(lambda: len(o.spans.get_finished_spans()) == 1, 30, what="the request after the start")
+        samples = otel_samples(o.reader, {"otel_llm.dropped_events"})
+        lost = {dict(k)["reason"]: v for (n, k), v in samples.items() if n == "otel_llm.dropped_events_total"}
+        assert lost["engine_stream_lost"] == 3
+        [line] = [r.getMessage() for r in caplog.records if "before this connection" in r.getMessage()]
+        assert "3 messages" in line
+    finally:
+        sender.close()
+        consumer.close()

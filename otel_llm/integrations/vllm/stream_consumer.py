@@ -54,6 +54,7 @@ class StreamConsumer:
         self._cause_book: dict[tuple[str, int], cause_channel.CauseRecord] = {}
         self._connections: dict[socket.socket, stream_channel.Connection] = {}
         self._engines: dict[socket.socket, _Engine] = {}
+        self._lost_before_hello: dict[socket.socket, int] = {}  # an engine core's losses told before its hello
         self._telemetry_by_index: dict[int, Any] = {}
         self._handle: Any = handle
         self._decoder: Any = None
@@ -102,9 +103,19 @@ class StreamConsumer:
         engine = self._engines.get(peer)
         if kind == stream_channel.HELLO:
             hello = json.loads(payload)
-            self._engines[peer] = self._engine(int(hello["engine"]), str(hello["model"]))
+            engine = self._engines[peer] = self._engine(int(hello["engine"]), str(hello["model"]))
+            lost = self._lost_before_hello.pop(peer, 0)
+            if lost:
+                engine.telemetry.count_dropped(drops.ENGINE_STREAM_LOST, lost)
+                _log.warning(
+                    "otel-llm engine stream: engine %s handed over nothing for %d messages before this connection "
+                    "(the consumer started late, or restarted); its requests then are counted from here on",
+                    hello["engine"],
+                    lost,
+                )
         elif engine is None:
-            return  # before its hello (a consumer that started late): nothing to attribute it to
+            if kind == stream_channel.LOST:  # told before the hello that follows it
+                self._lost_before_hello[peer] = self._lost_before_hello.get(peer, 0) + int(json.loads(payload))
         elif kind == stream_channel.OUTPUTS:
             self._drain_causes()
             engine.translator.outputs(self._decode(payload))
@@ -164,6 +175,7 @@ class StreamConsumer:
     def _ended(self, peer: socket.socket) -> None:
         """A connection ended: its engine core stopped (said so) or died."""
         self._connections.pop(peer, None)
+        self._lost_before_hello.pop(peer, None)
         engine = self._engines.pop(peer, None)
         peer.close()
         if engine is not None and engine.translator.drain():
