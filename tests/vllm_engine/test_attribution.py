@@ -27,6 +27,7 @@ from otel_llm.testing.vllm.server import MODEL_NAME, Load, VllmServer, run_load,
 from tests.support.backends import wait_until
 
 LOAD = Load(requests=64, concurrency=64, max_tokens=96, seed=1)
+RESET_TRIES = 3
 TRUTH_RECORDER = Path(__file__).resolve().parent / "preemption_truth"
 Samples = dict[tuple[str, frozenset], float]
 
@@ -38,6 +39,7 @@ class Run:
     ours: Samples
     vllm: Samples
     reset_success: bool
+    resets: int  # streamed completions sent with a reset (the load's requests aside)
     tmp: Path  # the serve's TMPDIR
     channel_made: bool
 
@@ -47,7 +49,7 @@ async def _stream_with_a_cache_reset(url: str) -> bool:
     requests (which preempts them all, this one included)."""
     import aiohttp
 
-    body = {"model": MODEL_NAME, "prompt": [11] * 40, "max_tokens": 64, "stream": True, "ignore_eos": True}
+    body = {"model": MODEL_NAME, "prompt": [11] * 40, "max_tokens": 200, "stream": True, "ignore_eos": True}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
         async with session.post(f"{url}/v1/completions", json=body) as response:
             chunks, success = 0, False
@@ -57,6 +59,10 @@ async def _stream_with_a_cache_reset(url: str) -> bool:
                     async with session.post(f"{url}/reset_prefix_cache?reset_running_requests=true") as reset:
                         success = bool((await reset.json())["success"])
             return success
+
+
+def _read(path: Path) -> str:
+    return path.read_text() if path.exists() else ""
 
 
 def _external(internal_id: str) -> str:
@@ -85,13 +91,20 @@ def run(tiny_model: Path, otlp_sink: Any, tmp_path_factory: pytest.TempPathFacto
     with server:
         completions = run_load(server.url, LOAD)
         assert [c.status for c in completions] == [200] * LOAD.requests, server.log_tail()
-        reset_success = asyncio.run(_stream_with_a_cache_reset(server.url))
+        # A client slowed by a busy machine may read its 4th chunk after the request finished
+        # (nothing running to reset): tried again, at most RESET_TRIES times, until vLLM preempted.
+        resets, reset_success = 0, False
+        while resets < RESET_TRIES and not (reset_success and '"where": "reset"' in _read(truth_file)):
+            reset_success = asyncio.run(_stream_with_a_cache_reset(server.url))
+            resets += 1
         channel_made = bool(list(tmp.glob("otel-llm-vllm-causes-*/*.sock")))
-        wait_until(lambda: len(otlp_sink.spans()) >= LOAD.requests + 1, 120, interval=0.5, what="every request span")
+        wait_until(
+            lambda: len(otlp_sink.spans()) >= LOAD.requests + resets, 120, interval=0.5, what="every request span"
+        )
         vllm, ours = scrape(server.url + "/metrics"), scrape(server.metrics_url)
         spans = {span_attributes(s)["gen_ai.request.id"]: s for s in otlp_sink.spans() if s.name == "llm_request"}
     truth = [json.loads(line) for line in truth_file.read_text().splitlines()]
-    return Run(truth, spans, ours, vllm, reset_success, tmp, channel_made)
+    return Run(truth, spans, ours, vllm, reset_success, resets, tmp, channel_made)
 
 
 def _links(span: Any) -> list[tuple[int, str, str]]:
@@ -114,7 +127,7 @@ def test_the_load_preempts_for_every_kind_of_cause(run: Run) -> None:
     )
     assert kinds["request"] >= 10 and kinds["self"] >= 1, kinds
     assert run.reset_success and kinds["cache_reset"] >= 1, kinds
-    assert len(run.spans) == LOAD.requests + 1
+    assert len(run.spans) == LOAD.requests + run.resets
 
 
 def test_every_preemption_names_its_cause_and_links_to_it_as_the_engine_core_recorded(run: Run) -> None:
@@ -147,9 +160,9 @@ def test_each_request_counts_the_preemptions_it_caused(run: Run) -> None:
         assert span_attributes(span)["llm.request.num_preemptions_caused"] == caused.get(rid, 0), rid
     labels = frozenset({"model_name": MODEL_NAME, "engine": "0"}.items())
     assert run.ours[("vllm:request_num_preemptions_caused_sum", labels)] == sum(caused.values())
-    assert run.ours[("vllm:request_num_preemptions_caused_count", labels)] == LOAD.requests + 1
+    assert run.ours[("vllm:request_num_preemptions_caused_count", labels)] == LOAD.requests + run.resets
     never = run.ours[("vllm:request_num_preemptions_caused_bucket", labels | {("le", "0.5")})]
-    assert never == LOAD.requests + 1 - len(caused)
+    assert never == LOAD.requests + run.resets - len(caused)
 
 
 def test_preemptions_by_cause_add_up_to_vllms_preemptions(run: Run) -> None:
