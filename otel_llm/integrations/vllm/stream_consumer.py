@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import select
+import signal
 import socket
 import threading
 from typing import Any, Optional
@@ -64,8 +65,16 @@ class StreamConsumer:
 
     def start(self) -> "StreamConsumer":
         self._thread.start()
-        atexit.register(self.close)
+        atexit.register(self._close_at_exit)
         return self
+
+    def _close_at_exit(self) -> None:
+        """At the serve's exit: an orchestrator's second SIGTERM (after an engine core died, say)
+        must not cut the final flush short, which vLLM's handler would do by raising SystemExit;
+        the flush is bounded (``TelemetryHandle.shutdown``)."""
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        self.close()
 
     # -- the thread --------------------------------------------------------------------
 
@@ -170,6 +179,8 @@ class StreamConsumer:
         if self._handle is None:
             config = TelemetryConfig.from_env(defaults={"model_name": model} if model else None)
             self._handle = setup_telemetry(config, port_taken="warn")
+            # Ours to shut down, after the requests in flight are ended (close), not before them.
+            atexit.unregister(self._handle.shutdown)
         return self._handle.telemetry if index == 0 else self._handle.new_telemetry(engine=str(index))
 
     def _ended(self, peer: socket.socket) -> None:
