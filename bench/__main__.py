@@ -19,7 +19,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from . import export, memory, outage, per_event, throughput, vllm_engine, vllm_frontend, vllm_record
+from . import export, memory, outage, per_event, throughput, vllm_engine, vllm_frontend, vllm_record, vllm_rust
 
 SECTIONS: dict[str, Callable[[bool, int], dict[str, Any]]] = {
     "per_event": per_event.run,
@@ -29,15 +29,16 @@ SECTIONS: dict[str, Callable[[bool, int], dict[str, Any]]] = {
     "outage": outage.run,
 }
 HERE = Path(__file__).resolve().parent
-# Written by their own commands in vLLM's environments (python -m bench.vllm_engine in
-# .venv-vllm-cpu, python -m bench.vllm_record in .venv-vllm-<release>): a run here keeps them from the
-# file it replaces.
+# Written by their own commands in vLLM's environments (python -m bench.vllm_engine and
+# bench.vllm_rust in .venv-vllm-cpu, python -m bench.vllm_record in .venv-vllm-<release>): a run here
+# keeps them from the file it replaces.
 KEPT_SECTIONS = (
     vllm_engine.KEY,
     vllm_engine.REPLACE_KEY,
     vllm_record.KEY,
     vllm_frontend.KEY,
     vllm_frontend.INSTRUCTIONS_KEY,
+    vllm_rust.KEY,
 )
 
 
