@@ -248,20 +248,22 @@ def print_vllm_summary(
     for span in receiver.named("llm_request"):
         trace_id = span.trace_id.hex()
         attributes = {a.key: attribute_value(a.value) for a in span.attributes}
-        if trace_id in sent:
-            name = f"req-{sent[trace_id]:03d}"
-            names[str(attributes.get("gen_ai.request.id"))] = name
-            by_request[name] = (int(attributes.get("llm.request.num_preemptions", 0)), trace_id)
-            caused[name] = (int(attributes.get("llm.request.num_preemptions_caused", 0)), trace_id)
-            causes_of[name] = [
-                x.string_value
-                for event in span.events
-                if event.name == "preempted"
-                for a in event.attributes
-                if a.key == "cause_request_ids"
-                for x in a.value.array_value.values
-            ]
-            children += span.parent_span_id.hex() == parents[trace_id]
+        request_id = str(attributes.get("gen_ai.request.id"))
+        # In the client's trace: the load's name for it; a root (vllm-rs forwards no trace
+        # context): vLLM's request id.
+        name = f"req-{sent[trace_id]:03d}" if trace_id in sent else request_id
+        names[request_id] = name
+        by_request[name] = (int(attributes.get("llm.request.num_preemptions", 0)), trace_id)
+        caused[name] = (int(attributes.get("llm.request.num_preemptions_caused", 0)), trace_id)
+        causes_of[name] = [
+            x.string_value
+            for event in span.events
+            if event.name == "preempted"
+            for a in event.attributes
+            if a.key == "cause_request_ids"
+            for x in a.value.array_value.values
+        ]
+        children += trace_id in sent and span.parent_span_id.hex() == parents[trace_id]
     victims: dict[str, Counter[str]] = defaultdict(Counter)
     for name, cause_ids in causes_of.items():
         for cause in cause_ids:
