@@ -71,3 +71,14 @@ def test_python_frontend_starts_neither(fresh, monkeypatch, value):
     original = EngineCore.add_request
     register()
     assert fresh == [] and EngineCore.add_request is original and cause_channel.ENV not in os.environ
+
+
+def test_vllm_serve_started_by_a_python_supervisor_still_runs_the_consumer(fresh, monkeypatch):
+    """A multiprocessing parent (a supervisor) but no channel folder inherited: vllm serve's own."""
+    from otel_llm.integrations.vllm.deep_hook import register
+
+    monkeypatch.setenv("VLLM_USE_RUST_FRONTEND", "1")
+    monkeypatch.setattr(multiprocessing, "parent_process", lambda: object())
+    register()
+    [consumer] = fresh
+    assert isinstance(consumer, StreamConsumer)

@@ -3,9 +3,9 @@ serves the OpenAI API from a Rust binary in place of vLLM's Python API server, a
 the plugin's stat logger (vLLM issue #58313).
 
 There otel-llm records from the engine core's stream instead (:func:`start`, run by the plugin's
-``vllm.general_plugins`` entry point in every vLLM process): ``vllm serve``'s own process, the one
-with no multiprocessing parent, which makes the serve's channel folder and outlives its engine
-cores, runs the telemetry (:mod:`.stream_consumer`); the processes it starts (the engine cores)
+``vllm.general_plugins`` entry point in every vLLM process): ``vllm serve``'s own process, which
+makes the serve's channel folder and outlives its engine cores, runs the telemetry
+(:mod:`.stream_consumer`); the processes it starts (the engine cores)
 hand their stream over (:mod:`.engine_tap`). The user's settings are the Python frontend's: the
 ``OTEL_*`` variables, ``OTEL_LLM_*``, ``OTEL_LLM_VLLM_DEEP_HOOK=1`` for the preemptions' causes.
 """
@@ -41,9 +41,13 @@ def start(environ: Mapping[str, str] = os.environ) -> bool:
         return False
     if _started:
         return True
+    made_here = folder() is None
     path = folder(create=True)  # made by the first process: the processes it starts inherit it
     assert path is not None
-    if multiprocessing.parent_process() is None:
+    # vllm serve's own process makes the folder; the engine cores it starts inherit it. One with no
+    # multiprocessing parent is vllm serve's too, even with the variable left over in its
+    # environment.
+    if made_here or multiprocessing.parent_process() is None:
         from otel_llm.integrations.vllm.stream_consumer import StreamConsumer
 
         _started.append(StreamConsumer(path).start())
