@@ -94,11 +94,20 @@ class StreamConsumer:
         except Exception:  # noqa: BLE001 - never into vLLM: the consumer stops, vLLM serves on
             _log.exception("otel-llm engine stream: the consumer failed and stops recording (reported once)")
 
-    def _read(self, peer: socket.socket) -> None:
+    @staticmethod
+    def _recv(peer: socket.socket) -> Optional[bytes]:
+        """A chunk of what ``peer`` sent; b"" when its connection ended; None when nothing waits."""
         try:
-            chunk = peer.recv(1 << 20)
+            return peer.recv(1 << 20)
+        except BlockingIOError:
+            return None
         except OSError:
-            chunk = b""
+            return b""
+
+    def _read(self, peer: socket.socket) -> None:
+        chunk = self._recv(peer)
+        if chunk is None:
+            return
         if chunk:
             try:
                 for kind, payload in self._connections[peer].frames(chunk):
@@ -213,12 +222,7 @@ class StreamConsumer:
         """What an engine core wrote before the serve stopped, then the connection closed."""
         peer.setblocking(False)
         while peer in self._connections:
-            try:
-                chunk = peer.recv(1 << 20)
-            except BlockingIOError:
-                break
-            except OSError:
-                chunk = b""
+            chunk = self._recv(peer)
             if not chunk:
                 break
             for kind, payload in self._connections[peer].frames(chunk):
