@@ -14,12 +14,11 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from ..common import median, ratio, write_section
-from ..vllm_engine import answers, cpu_seconds, main_thread_cpu_seconds
+from ..vllm_engine import answers, cpu_seconds, main_thread_cpu_seconds, plugins_without_ours
 from . import KEY, SITE
 
 HERE = Path(__file__).resolve().parents[1]
 ARMS = ("stock", "otel")
-STOCK_PLUGINS = "no-such-plugin"  # VLLM_PLUGINS: an exact-name list, so nothing installed matches
 CONSUMER_LINE = "recording vLLM's engine-core stream"  # logged by otel-llm in vllm serve's process
 ENGINE_CORE = "VLLM::EngineCore"
 SETTLE_S = 6.0  # after each load: longer than the batch span processor's 5 s export delay
@@ -252,6 +251,7 @@ def run(
     def say(message: str) -> None:
         print(f"[vllm_rust] {message}", file=log, flush=True)
 
+    stock_plugins = plugins_without_ours()
     rounds: dict[str, list[dict[str, Any]]] = {arm: [] for arm in ARMS}
     block_of_pair: list[int] = []
     checks: list[dict[str, Any]] = []
@@ -259,7 +259,7 @@ def run(
         model = make_tiny_llama(Path(tmp) / "tiny-llama")
         site = {"PYTHONPATH": os.pathsep.join(p for p in (str(SITE), os.environ.get("PYTHONPATH")) if p)}
         env = {
-            "stock": {"VLLM_PLUGINS": STOCK_PLUGINS},
+            "stock": {"VLLM_PLUGINS": stock_plugins},
             "otel": {
                 "OTEL_SERVICE_NAME": "bench-vllm-rust",
                 "OTEL_LLM_VLLM_DEEP_HOOK": "1",
@@ -339,7 +339,7 @@ def run(
             "blocks": blocks,
             "settle_s": settle_s,
         },
-        "stock": {"VLLM_PLUGINS": STOCK_PLUGINS},
+        "stock": {"VLLM_PLUGINS": stock_plugins},
         "otel": {
             "plugin": "entry points otel_llm + otel_llm_deep_hook; OTEL_LLM_VLLM_DEEP_HOOK=1; "
             "OTEL_METRICS_EXPORTER=prometheus (not scraped during the loads); one span per request over OTLP/HTTP "
