@@ -13,10 +13,11 @@ thread that sleeps between requests (:mod:`otel_llm.export.prometheus_server`).
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, Iterator
 
 from opentelemetry.sdk.metrics.export import MetricReader
 from prometheus_client import CollectorRegistry
+from prometheus_client.metrics_core import Metric
 
 from otel_llm import _sdk
 from otel_llm.export.prometheus_exposition import render
@@ -26,10 +27,26 @@ from otel_llm.export.prometheus_server import MetricsServer
 __all__ = ["PrometheusEndpoint", "ExemplarPrometheusMetricReader", "render"]
 
 
+class _MergingRegistry(CollectorRegistry):
+    """A registry that yields each family once: the readers of several MeterProviders served on
+    one endpoint (one per engine, each with a resource of its own) each collect every family,
+    and an exposition that repeats a family is invalid. Their series differ by the ``engine``
+    label; ``target_info`` then has one series per resource."""
+
+    def collect(self) -> Iterator[Metric]:
+        merged: dict[str, Metric] = {}
+        for family in super().collect():
+            first = merged.setdefault(family.name, family)
+            if first is not family:
+                first.samples.extend(family.samples)
+        yield from merged.values()
+
+
 class PrometheusEndpoint:
     """A /metrics endpoint on a registry and port of its own.
 
     ``reader`` exists right after construction (pass it in ``MeterProvider(metric_readers=...)``);
+    :meth:`new_reader` gives another MeterProvider a reader of its own on the same endpoint;
     ``start()`` binds and serves in a daemon thread; ``shutdown()`` stops and unregisters.
     ``ports``: how many consecutive ports from ``port`` to try, the first free one taken (each
     engine process on a host then gets its own: ``port``, ``port + 1``, ...).
@@ -51,17 +68,20 @@ class PrometheusEndpoint:
         self.host = host
         self.port = int(port)
         self.ports = int(ports)
-        self.registry = CollectorRegistry(auto_describe=False)
-        reader = ExemplarPrometheusMetricReader if _sdk.holds("prometheus") else UpstreamPrometheusMetricReader
-        self.reader: MetricReader = reader(
-            self.registry,
-            disable_target_info=disable_target_info,
-            scope_info_enabled=scope_info_enabled,
-        )
+        self.registry = _MergingRegistry(auto_describe=False)
+        self._disable_target_info, self._scope_info_enabled = disable_target_info, scope_info_enabled
+        self.reader: MetricReader = self.new_reader()
         self._server: MetricsServer | None = None
         self._thread: threading.Thread | None = None
         self._closed = False
         self._lock = threading.Lock()
+
+    def new_reader(self) -> MetricReader:
+        """A reader for one more MeterProvider, served on this endpoint (until it shuts down)."""
+        reader = ExemplarPrometheusMetricReader if _sdk.holds("prometheus") else UpstreamPrometheusMetricReader
+        return reader(
+            self.registry, disable_target_info=self._disable_target_info, scope_info_enabled=self._scope_info_enabled
+        )
 
     @property
     def url(self) -> str:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import uuid
@@ -26,6 +27,16 @@ def resource(config: TelemetryConfig) -> Resource:
     if "service.instance.id" not in resource.attributes:  # an SDK without the service_instance detector
         resource = resource.merge(Resource({"service.instance.id": _process_instance_id()}))
     return resource
+
+
+def part_of_process(config: TelemetryConfig, part: str) -> TelemetryConfig:
+    """``config`` for one part of this process that exports as an instance of its own (one
+    engine of several): its ``service.instance.id`` is the process's (given, or the process's
+    UUID) followed by ``-{part}``, so the parts stay apart at a collector and one process's parts
+    are still found together."""
+    process_id = str(resource(config).attributes["service.instance.id"])
+    attributes = {**config.resource_attributes, "service.instance.id": f"{process_id}-{part}"}
+    return dataclasses.replace(config, resource_attributes=attributes)
 
 
 _instance_lock = threading.Lock()

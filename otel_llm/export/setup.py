@@ -87,6 +87,7 @@ def setup_telemetry(
     extra_views: Sequence[View] = (),
     environ: Optional[Mapping[str, str]] = None,
     port_taken: str = "raise",
+    serve_on: Optional["PrometheusEndpoint"] = None,
 ) -> TelemetryHandle:
     """Build providers, readers and exporters, and the engine's :class:`EngineTelemetry`.
 
@@ -97,6 +98,9 @@ def setup_telemetry(
     Raises ValueError (bad settings) at once, and OSError when the Prometheus port is taken —
     unless ``port_taken="warn"`` (what the entry points pass): then this process serves no
     /metrics, says so in one line, and its other exporters (OTLP metrics, traces) go on.
+
+    ``serve_on``: a Prometheus endpoint another handle owns (providers of another resource in the
+    same process): these metrics are served there, by a reader of their own, and no port is bound.
     """
     if port_taken not in PORT_TAKEN:
         raise ValueError(f"port_taken: {port_taken!r} is not one of {PORT_TAKEN}")
@@ -113,9 +117,13 @@ def setup_telemetry(
     if resources.user_given_instance_id(config, env):  # the SDK's own per-process UUIDs are unique already
         identity.claim(str(resource.attributes["service.instance.id"]))
     accounting = ExportAccounting()
-    prometheus = _prometheus_endpoint(config, exporters, port_taken)
+    prometheus = None if serve_on is not None else _prometheus_endpoint(config, exporters, port_taken)
+    served_on: Optional[PrometheusEndpoint] = prometheus
+    prometheus_reader: Optional[MetricReader] = prometheus.reader if prometheus is not None else None
+    if serve_on is not None and "prometheus" in exporters.metrics:
+        served_on, prometheus_reader = serve_on, serve_on.new_reader()
     meter_provider = _meter_provider(
-        config, env, exporters, resource, accounting, prometheus, extra_metric_readers, extra_views
+        config, env, exporters, resource, accounting, prometheus_reader, extra_metric_readers, extra_views
     )
     tracer_provider = _tracer_provider(config, env, exporters, resource, accounting, extra_span_processors)
     logger_provider = _logger_provider(config, env, exporters, resource, accounting)
@@ -133,7 +141,7 @@ def setup_telemetry(
         exporters.metrics,
         exporters.traces,
         exporters.logs,
-        prometheus.url if prometheus else None,
+        served_on.url if served_on else None,
         config.redacted(),
     )
     handle = TelemetryHandle(
@@ -208,11 +216,11 @@ def _meter_provider(
     exporters: _Exporters,
     resource: Resource,
     accounting: ExportAccounting,
-    prometheus: Optional["PrometheusEndpoint"],
+    prometheus_reader: Optional[MetricReader],
     extra_metric_readers: Sequence[MetricReader],
     extra_views: Sequence[View],
 ) -> MeterProvider:
-    readers: list[MetricReader] = [prometheus.reader] if prometheus is not None else []
+    readers: list[MetricReader] = [prometheus_reader] if prometheus_reader is not None else []
     interval = config.metric_export_interval_ms or 60_000
     otlp_reader = None
     if "otlp" in exporters.metrics:

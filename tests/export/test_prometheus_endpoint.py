@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import socket
 import threading
@@ -447,3 +448,63 @@ def test_a_flush_before_a_scrape_serves_every_series_once(clean_env):
         assert count == ['vllm:request_num_preemptions_count{engine="0",model_name="tiny"} 1.0']
     finally:
         handle.shutdown()
+
+
+def test_two_engines_of_their_own_identity_are_served_on_one_endpoint(clean_env):
+    """An engine's providers served on another's endpoint (``serve_on``): each family once, each
+    engine's series under its ``engine`` label with its own values, one ``target_info`` per
+    identity; shutting the second down leaves the first's."""
+    from otel_llm.events import EventType, RequestEvent
+    from otel_llm.export.resource import part_of_process
+
+    base = TelemetryConfig(
+        model_name="tiny",
+        metrics_exporters=("prometheus",),
+        traces_exporters=("none",),
+        prometheus_port=0,
+        resource_attributes={"service.instance.id": "serve-7"},
+    )
+    first = setup_telemetry(part_of_process(dataclasses.replace(base, engine="0"), "engine-0"))
+    second = setup_telemetry(
+        part_of_process(dataclasses.replace(base, engine="1"), "engine-1"), serve_on=first.prometheus
+    )
+    url = f"http://127.0.0.1:{first.prometheus_port}/metrics"
+    try:
+        assert second.prometheus is None and second.prometheus_port is None
+        for handle, requests in ((first, 1), (second, 3)):
+            for i in range(requests):
+                handle.telemetry.on_events(
+                    [
+                        RequestEvent(EventType.ARRIVED, f"r{i}", 1.0, prompt_tokens=3, max_tokens=4),
+                        RequestEvent(EventType.SCHEDULED, f"r{i}", 1.1),
+                        RequestEvent(EventType.PREEMPTED, f"r{i}", 1.15, reason="kv_cache_full"),
+                        RequestEvent(EventType.SCHEDULED, f"r{i}", 1.16),
+                        RequestEvent(EventType.FINISHED, f"r{i}", 1.2, finish_reason="stop"),
+                    ]
+                )
+            handle.telemetry.flush()
+        body, _ = _scrape(url, OPENMETRICS)
+        families = list(text_string_to_metric_families(body))
+        names = [f.name for f in families]
+        assert len(names) == len(set(names))
+        samples = [(s.name, tuple(sorted(s.labels.items()))) for f in families for s in f.samples]
+        assert len(samples) == len(set(samples))
+        by_engine = {
+            s.labels["engine"]: s.value
+            for f in families
+            for s in f.samples
+            if s.name == "vllm:request_num_preemptions_bucket" and s.labels["le"] == "1.0"
+        }
+        assert by_engine == {"0": 1.0, "1": 3.0}
+        [target] = [f for f in families if f.name == "target"]
+        assert sorted(s.labels["service_instance_id"] for s in target.samples) == [
+            "serve-7-engine-0",
+            "serve-7-engine-1",
+        ]
+        second.shutdown()
+        body, _ = _scrape(url, OPENMETRICS)
+        engines = {s.labels.get("engine") for f in text_string_to_metric_families(body) for s in f.samples}
+        assert "0" in engines and "1" not in engines
+    finally:
+        second.shutdown()
+        first.shutdown()

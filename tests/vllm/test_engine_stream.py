@@ -190,3 +190,56 @@ def test_a_consumer_that_starts_late_counts_what_it_missed_and_says_so_once(otel
     finally:
         sender.close()
         consumer.close()
+
+
+def test_data_parallel_engines_each_export_as_an_instance_of_their_own(monkeypatch: Any) -> None:
+    """Providers from the environment, as in ``vllm serve``: each of 2 engine cores gets its own
+    ``service.instance.id`` (the serve's, ``-engine-N``), and one Prometheus endpoint serves both.
+    The hello carries no data-parallel size: vLLM tells each engine core of a non-MoE model that
+    it is the only one."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+    from vllm.v1.engine import FinishReason
+
+    from tests.support.backends import free_port
+
+    port = free_port()
+    for key, value in {
+        "OTEL_METRICS_EXPORTER": "prometheus",
+        "OTEL_TRACES_EXPORTER": "none",
+        "OTEL_EXPORTER_PROMETHEUS_PORT": str(port),
+        "OTEL_RESOURCE_ATTRIBUTES": "service.instance.id=serve-3",
+    }.items():
+        monkeypatch.setenv(key, value)
+    folder = tempfile.mkdtemp(prefix="otel-llm-stream-")
+    consumer = StreamConsumer(folder).start()
+    senders = [stream_channel.Sender(folder) for _ in range(2)]
+    t = time.monotonic()
+    try:
+        for engine, sender in enumerate(senders):
+            hello = stream_channel.json_frame(stream_channel.HELLO, {"engine": engine, "model": "tiny"})
+            outs = [
+                _out(f"e{engine}-{i}", 2, ((QUEUED, t), (SCHEDULED, t + 0.1)), FinishReason.LENGTH)
+                for i in range(engine + 1)
+            ]
+            sender.send(hello + _encode(_outputs(t + 0.5, *outs)))
+
+        def scraped() -> Any:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+                families = {f.name: f for f in text_string_to_metric_families(response.read().decode())}
+            success = families.get("vllm:request_success")
+            done = success is not None and sum(s.value for s in success.samples if s.name.endswith("_total")) == 3
+            return families if done else None
+
+        families = wait_until(scraped, 30, interval=0.1, what="both engines' requests on /metrics")
+        by_engine = {
+            s.labels["engine"]: s.value for s in families["vllm:request_success"].samples if s.name.endswith("_total")
+        }
+        assert by_engine == {"0": 1, "1": 2}
+        ids = sorted(s.labels["service_instance_id"] for s in families["target_info"].samples)
+        assert ids == ["serve-3-engine-0", "serve-3-engine-1"]
+    finally:
+        for sender in senders:
+            sender.close()
+        consumer.close()

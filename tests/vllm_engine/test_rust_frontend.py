@@ -260,27 +260,94 @@ def test_every_preemption_names_its_cause_as_the_engine_core_recorded(rust_run: 
     assert not {k: v for k, v in rust_run.ours.items() if "dropped_events" in k[0] and v}
 
 
-def test_data_parallel_engines_each_count_what_the_rust_frontend_counts(tiny_model: Path) -> None:
+def _last_exports(sink: Any, service: str) -> dict[str, dict[tuple[str, frozenset], float]]:
+    """``service``'s last OTLP metric export per ``service.instance.id``: {instance: {(Prometheus
+    sample name of a counter or a histogram's count, labels): value}}."""
+    last: dict[str, dict[tuple[str, frozenset], float]] = {}
+    with sink.lock:
+        requests = list(sink.metrics)
+    for request in requests:
+        for rm in request.resource_metrics:
+            resource = {a.key: a.value.string_value for a in rm.resource.attributes}
+            if resource.get("service.name") != service:
+                continue
+            points = last.setdefault(resource["service.instance.id"], {})
+            for m in (m for sm in rm.scope_metrics for m in sm.metrics):
+                kind = m.WhichOneof("data")
+                for p in getattr(m, kind).data_points if kind in ("sum", "histogram") else ():
+                    labels = frozenset((a.key, a.value.string_value) for a in p.attributes)
+                    name, value = (m.name + "_total", p.as_int) if kind == "sum" else (m.name + "_count", p.count)
+                    points[(name, labels)] = value
+    return last
+
+
+def _span_instances(sink: Any, service: str) -> Counter[str]:
+    """How many of ``service``'s request spans each ``service.instance.id`` exported."""
+    with sink.lock:
+        requests = list(sink.traces)
+    found: Counter[str] = Counter()
+    for rs in (rs for req in requests for rs in req.resource_spans):
+        resource = {a.key: a.value.string_value for a in rs.resource.attributes}
+        if resource.get("service.name") == service:
+            found[resource["service.instance.id"]] += sum(
+                1 for ss in rs.scope_spans for span in ss.spans if span.name == "llm_request"
+            )
+    return found
+
+
+def test_data_parallel_engines_each_count_what_the_rust_frontend_counts(tiny_model: Path, otlp_sink: Any) -> None:
     """``--data-parallel-size 2``: both engine cores hand their stream to the one consumer in
-    ``vllm serve``'s process; each engine's series (label ``engine``) equal the Rust frontend's."""
+    ``vllm serve``'s process. Each engine exports over OTLP as an instance of its own (the serve's
+    ``service.instance.id``, ``-engine-N``), its series and spans only; on our one Prometheus
+    endpoint and summed over the OTLP instances, each engine's series (label ``engine``) equal the
+    Rust frontend's."""
     missing = rust_frontend_missing()
     if missing is not None:
         require_backend("vllm-rs", missing)
+    service, names = "vllm-rust-dp", ("vllm:request_success_total", "vllm:num_preemptions_total")
     load = Load(requests=32, concurrency=32, max_tokens=64, seed=3)
-    with VllmServer(tiny_model, args=["--data-parallel-size", "2"], rust_frontend=True) as server:
+    env = {
+        "OTEL_SERVICE_NAME": service,
+        "OTEL_RESOURCE_ATTRIBUTES": "service.instance.id=serve-dp",
+        "OTEL_METRICS_EXPORTER": "prometheus,otlp",
+        "OTEL_TRACES_EXPORTER": "otlp",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": otlp_sink.endpoint,
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+        "OTEL_METRIC_EXPORT_INTERVAL": "500",
+        "OTEL_BSP_SCHEDULE_DELAY": "200",
+    }
+    with VllmServer(tiny_model, args=["--data-parallel-size", "2"], env=env, rust_frontend=True) as server:
         completions = run_load(server.url, load)
         assert [c.status for c in completions] == [200] * load.requests, server.log_tail()
 
-        def both() -> Optional[tuple[Samples, Samples]]:
-            rust, ours = scrape(server.url + "/metrics"), scrape(server.metrics_url)
-            done = all(_total(s, "vllm:request_success_total") >= load.requests for s in (rust, ours))
-            return (rust, ours) if done else None
+        def everywhere() -> Optional[tuple[Samples, Samples, dict[str, Any]]]:
+            rust, ours, pushed = (
+                scrape(server.url + "/metrics"),
+                scrape(server.metrics_url),
+                _last_exports(otlp_sink, service),
+            )
+            counted = (sum(_total(p, names[0]) for p in pushed.values()), *(_total(s, names[0]) for s in (rust, ours)))
+            done = (
+                counted == (load.requests,) * 3 and sum(_span_instances(otlp_sink, service).values()) == load.requests
+            )
+            return (rust, ours, pushed) if done else None
 
-        rust, ours = wait_until(both, 60, interval=0.2, what="every request on both /metrics")
-    engines = set()
-    for name in ("vllm:request_success_total", "vllm:num_preemptions_total", "vllm:request_num_preemptions_count"):
+        rust, ours, pushed = wait_until(
+            everywhere, 60, interval=0.2, what="every request on both /metrics and over OTLP"
+        )
+    assert sorted(pushed) == ["serve-dp-engine-0", "serve-dp-engine-1"]
+    for name in (*names, "vllm:request_num_preemptions_count"):
         theirs = {k: v for (n, k), v in rust.items() if n == name and v}
         assert {k: v for (n, k), v in ours.items() if n == name and v} == theirs, name
-        engines |= {dict(k)["engine"] for k in theirs}
-    assert engines == {"0", "1"}
-    assert _total(ours, "vllm:request_success_total") == load.requests
+        for instance, points in pushed.items():  # each instance holds its own engine's series only
+            engine = instance.rsplit("-", 1)[1]
+            assert {k: v for (n, k), v in points.items() if n == name and v} == {
+                k: v for k, v in theirs.items() if dict(k)["engine"] == engine
+            }, (name, instance)
+    served: Counter[str] = Counter()
+    for (n, k), v in rust.items():
+        if n == names[0]:
+            served[dict(k)["engine"]] += int(v)
+    assert sorted(+served) == ["0", "1"]  # both engines served
+    spans = {instance.rsplit("-", 1)[1]: n for instance, n in _span_instances(otlp_sink, service).items()}
+    assert spans == dict(+served)  # each request's span from its engine's instance

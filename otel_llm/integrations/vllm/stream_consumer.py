@@ -3,17 +3,19 @@ frontend): a thread in ``vllm serve``'s own process, which outlives its engine c
 
 It listens on the serve's stream channel (:mod:`.stream_channel`) and on its cause channel
 (:mod:`.cause_channel`); each engine core connects, says who it is, and hands over what it sent its
-frontend. Per engine: one ``EngineTelemetry`` (label ``engine``: its index) on the providers
-``setup_telemetry`` builds from the environment, fed by a :class:`.StreamTranslator`. An engine
-core that stops cleanly says so; one whose connection ends otherwise died: its requests in flight
-end, marked ``engine_dead``. When the serve exits, those still in flight end marked ``shutdown``
-and everything is flushed. Never an exception into vLLM: a failure is logged once and the
-consumer stops, vLLM serves on.
+frontend. Per engine: one ``EngineTelemetry`` (label ``engine``: its index) fed by a
+:class:`.StreamTranslator`, on providers of its own that ``setup_telemetry`` builds from the
+environment, with a ``service.instance.id`` of its own (the serve's, ``-engine-N``), all served on
+one Prometheus endpoint. An engine core that stops cleanly says so; one whose connection ends
+otherwise died: its requests in flight end, marked ``engine_dead``. When the serve exits, those
+still in flight end marked ``shutdown`` and everything is flushed. Never an exception into vLLM: a
+failure is logged once and the consumer stops, vLLM serves on.
 """
 
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import json
 import logging
 import os
@@ -25,6 +27,7 @@ from typing import Any, Optional
 
 from otel_llm.catalogue import drops
 from otel_llm.config.settings import TelemetryConfig
+from otel_llm.export import resource as resources
 from otel_llm.integrations.vllm import cause_channel, stream_channel
 from otel_llm.integrations.vllm.stream_translate import StreamTranslator
 from otel_llm.summary import ENGINE_DEAD, SHUTDOWN
@@ -44,8 +47,8 @@ class _Engine:
 
 class StreamConsumer:
     """``StreamConsumer(folder).start()``; :meth:`close` at exit (registered with atexit).
-    ``handle``: providers already built (a ``TelemetryHandle``), else ``setup_telemetry`` builds
-    them from the environment at the first engine's hello."""
+    ``handle``: providers already built (a ``TelemetryHandle``) for every engine, one identity;
+    else ``setup_telemetry`` builds each engine's from the environment at its hello."""
 
     def __init__(self, folder: str, handle: Any = None) -> None:
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -57,7 +60,8 @@ class StreamConsumer:
         self._engines: dict[socket.socket, _Engine] = {}
         self._lost_before_hello: dict[socket.socket, int] = {}  # an engine core's losses told before its hello
         self._telemetry_by_index: dict[int, Any] = {}
-        self._handle: Any = handle
+        self._given: Any = handle
+        self._handles: list[Any] = []  # built here, one per engine; the first owns the Prometheus endpoint
         self._decoder: Any = None
         self._stop = threading.Event()
         self._lock = threading.Lock()  # the thread's work and close() never interleave
@@ -183,14 +187,20 @@ class StreamConsumer:
         return _Engine(telemetry, StreamTranslator(_publisher(telemetry), self._cause_of))
 
     def _new_telemetry(self, index: int, model: str) -> Any:
+        """Engine ``index``'s telemetry. Its identity is the engine core's, whatever the
+        data-parallel size: an engine core of a non-MoE model is told it is the only one."""
+        if self._given is not None:
+            return self._given.telemetry if index == 0 else self._given.new_telemetry(engine=str(index))
         from otel_llm.export.setup import setup_telemetry
 
-        if self._handle is None:
-            config = TelemetryConfig.from_env(defaults={"model_name": model} if model else None)
-            self._handle = setup_telemetry(config, port_taken="warn")
-            # Ours to shut down, after the requests in flight are ended (close), not before them.
-            atexit.unregister(self._handle.shutdown)
-        return self._handle.telemetry if index == 0 else self._handle.new_telemetry(engine=str(index))
+        config = TelemetryConfig.from_env(defaults={"model_name": model} if model else None)
+        config = resources.part_of_process(dataclasses.replace(config, engine=str(index)), f"engine-{index}")
+        serve_on = self._handles[0].prometheus if self._handles else None
+        handle = setup_telemetry(config, port_taken="warn", serve_on=serve_on)
+        # Ours to shut down, after the requests in flight are ended (close), not before them.
+        atexit.unregister(handle.shutdown)
+        self._handles.append(handle)
+        return handle.telemetry
 
     def _ended(self, peer: socket.socket) -> None:
         """A connection ended: its engine core stopped (said so) or died."""
@@ -212,9 +222,12 @@ class StreamConsumer:
                 self._read_rest(peer)
             for telemetry in self._telemetry_by_index.values():
                 telemetry.end_in_flight(SHUTDOWN)
-            if self._handle is not None:
-                self._handle.shutdown()
-                self._handle = None
+            for handle in reversed(self._handles):  # the Prometheus endpoint's owner last
+                handle.shutdown()
+            self._handles.clear()
+            if self._given is not None:
+                self._given.shutdown()
+                self._given = None
             self._causes.close()
             self._listener.close()
 
