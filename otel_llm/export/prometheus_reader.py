@@ -133,6 +133,12 @@ class _PullReader(PrometheusMetricReader):
     def force_flush(self, timeout_millis: float = 10_000) -> bool:
         return True
 
+    def collect(self, timeout_millis: float = 10_000) -> None:
+        # A scrape can come between the endpoint's start and the MeterProvider taking this
+        # reader (setup_telemetry binds the port first): it serves nothing yet, with no warning.
+        if getattr(self, "_collect", None) is not None:
+            super().collect(timeout_millis=timeout_millis)
+
 
 class ExemplarPrometheusMetricReader(_PullReader):
     """``PrometheusMetricReader`` registering an exemplar-aware collector in a given registry."""

@@ -508,3 +508,17 @@ def test_two_engines_of_their_own_identity_are_served_on_one_endpoint(clean_env)
     finally:
         second.shutdown()
         first.shutdown()
+
+
+def test_a_scrape_before_the_meter_provider_takes_the_reader_serves_nothing_quietly(caplog):
+    """setup_telemetry binds the port before it builds the MeterProvider: a scrape in between
+    answers with no series and no warning from the SDK."""
+    with caplog.at_level("WARNING"), PrometheusEndpoint(port=0) as endpoint:
+        body, _ = _scrape(endpoint.url)
+        provider = MeterProvider(metric_readers=[endpoint.reader])
+        provider.get_meter("otel_llm").create_counter("vllm.num_preemptions").add(2, {"engine": "0"})
+        after, _ = _scrape(endpoint.url)
+        provider.shutdown()
+    assert [line for line in body.splitlines() if line and not line.startswith("#")] == []
+    assert 'vllm_num_preemptions_total{engine="0"} 2.0' in after
+    assert [r.getMessage() for r in caplog.records if "registered" in r.getMessage()] == []
