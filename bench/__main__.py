@@ -19,7 +19,18 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from . import export, memory, outage, per_event, throughput, vllm_engine, vllm_frontend, vllm_record, vllm_rust
+from . import (
+    export,
+    memory,
+    outage,
+    per_event,
+    throughput,
+    vllm_engine,
+    vllm_frontend,
+    vllm_record,
+    vllm_rust,
+    vllm_stream,
+)
 
 SECTIONS: dict[str, Callable[[bool, int], dict[str, Any]]] = {
     "per_event": per_event.run,
@@ -39,6 +50,7 @@ KEPT_SECTIONS = (
     vllm_frontend.KEY,
     vllm_frontend.INSTRUCTIONS_KEY,
     vllm_rust.KEY,
+    vllm_stream.KEY,
 )
 
 

@@ -5,13 +5,15 @@ internal failures too); state is bounded (the tracker's caps, at most ``defer_st
 batches); batches are applied in order under one lock, so several publishing threads keep
 exact totals.
 
-Event batches, and the engine steps an adapter hands over (:meth:`EngineTelemetry.keep_step`), are
-kept in one queue and applied together, in order, every ``defer_steps`` engine steps (16 through
-setup_telemetry; a hand-built EngineTelemetry applies each at once unless set): between two
-steps the model's work evicts the CPU caches, and the telemetry's code and data then cost
-several times more than when warm (engine_stub: ~3 us per TOKENS event cold, 0.5 us warm). A
-reader's collection (the provider instruments' callbacks), an idle engine step, flush() and shutdown()
-apply what is pending first, so no reader ever sees a partial picture.
+Event batches, credits of causes ahead of their preemption's event
+(:meth:`EngineTelemetry.credit_causes`) and the engine steps an adapter hands over
+(:meth:`EngineTelemetry.keep_step`) are kept in one queue and applied together, in order, every
+``defer_steps`` engine steps (16 through setup_telemetry; a hand-built EngineTelemetry applies each
+at once unless set): between two steps the model's work evicts the CPU caches, and the
+telemetry's code and data then cost several times more than when warm (engine_stub: ~3 us per
+TOKENS event cold, 0.5 us warm). Of the StepStats that only set gauges, the last one waits with
+them. A reader's collection (the provider instruments' callbacks), an idle engine step, flush() and
+shutdown() apply what is pending first, so no reader ever sees a partial picture.
 """
 
 from __future__ import annotations
@@ -43,6 +45,18 @@ _warned_providers: set[int] = set()
 
 # An engine step as an adapter keeps it (its engine's own stats, e.g. vLLM's), opaque here.
 KeptStep = Any
+
+
+class _Credit:
+    """Causes credited ahead of their victim's event (:meth:`EngineTelemetry.credit_causes`),
+    kept in order with the event batches."""
+
+    __slots__ = ("victim", "ordinal", "causes")
+
+    def __init__(self, victim: str, ordinal: int, causes: Sequence[str]) -> None:
+        self.victim = victim
+        self.ordinal = ordinal
+        self.causes = causes
 
 
 class StepTranslator(Protocol):
@@ -121,9 +135,12 @@ class EngineTelemetry:
             (None, None) if exemplar_filter == "always_on" else None,
         )
         self.tracker = Tracker(self._sink, config.max_inflight_requests)
-        # Event batches (tuples), and an adapter's kept engine steps, in the order they came.
-        self._pending: deque[Union[tuple[RequestEvent, ...], KeptStep]] = deque()
+        # Event batches (tuples), credits of causes, an adapter's kept engine steps, in the order they came.
+        self._pending: deque[Union[tuple[RequestEvent, ...], _Credit, KeptStep]] = deque()
         self._translate: Optional[StepTranslator] = None
+        # The last StepStats that only sets gauges, kept for the pending work (on_step); a deque
+        # of one: a step replaces the one kept, and the one taken out, atomically for any thread.
+        self._latest_step: deque[StepStats] = deque(maxlen=1)
         # Deferred only where every collection applies the pending work first (the instruments'
         # drain); the SDK path records as it goes.
         instruments = self.metrics.instruments if isinstance(self.metrics, InProcessRecorder) else None
@@ -144,16 +161,20 @@ class EngineTelemetry:
             self._sink.internal_error(events)
 
     def apply_pending(self) -> None:
-        """Apply the event batches and engine steps kept so far (``TelemetryConfig.defer_steps``),
-        in order; the steps kept in a row go to the step translator in one call."""
+        """Apply the event batches, credits and engine steps kept so far
+        (``TelemetryConfig.defer_steps``), in order, then the last gauges-only StepStats; the
+        steps kept in a row go to the step translator in one call."""
         handle = self.tracker.handle
         pending = self._pending
         with self.metrics.lock:
             while pending:
                 batch = pending.popleft()
+                if type(batch) is _Credit:
+                    self._credit(batch)
+                    continue
                 if type(batch) is not tuple:
                     steps = [batch]
-                    while pending and type(pending[0]) is not tuple:
+                    while pending and type(pending[0]) not in (tuple, _Credit):
                         steps.append(pending.popleft())
                     self._translate_steps(steps)
                     continue
@@ -164,6 +185,8 @@ class EngineTelemetry:
                         self._sink.dropped(drops.INVALID_VALUE, event)
                     except Exception:  # noqa: BLE001 - never into the engine
                         self._sink.internal_error(event)
+            if self._latest_step:
+                self.metrics.step(self._latest_step.pop())
 
     def flush(self) -> None:
         """Apply pending events now (readers and shutdown do it themselves)."""
@@ -174,13 +197,19 @@ class EngineTelemetry:
 
     def on_step(self, stats: StepStats) -> None:
         try:
-            with self.metrics.lock:
-                valid = _valid_step(stats)
-                if valid:
-                    self.metrics.step(stats)
-                else:
+            if not _valid_step(stats):
+                with self.metrics.lock:
                     self._sink.dropped(drops.INVALID_VALUE, stats)
-            if valid and self._pending and stats.num_running == 0 and stats.num_waiting == 0:
+                return
+            if self._defer_steps > 1 and stats.num_batched_tokens is None:
+                # Gauges only (no iteration's tokens to observe): a reader sees the last values set,
+                # so the step waits with the pending work, replaced by the next such step.
+                self._latest_step.append(stats)
+            else:
+                with self.metrics.lock:
+                    self._latest_step.clear()
+                    self.metrics.step(stats)
+            if (self._pending or self._latest_step) and stats.num_running == 0 and stats.num_waiting == 0:
                 self.apply_pending()  # the engine went idle: nothing left to slow down
         except Exception:  # noqa: BLE001 - never into the engine
             self._sink.internal_error(stats)
@@ -261,12 +290,20 @@ class EngineTelemetry:
             self._sink.internal_error(None)
 
     def credit_causes(self, victim: str, ordinal: int, cause_ids: Sequence[str]) -> None:
-        """Credit now the causes of ``victim``'s ``ordinal``-th preemption, whose event (naming
-        them) comes later (:meth:`.Tracker.credit_causes`); applied after what is pending."""
+        """Credit the causes of ``victim``'s ``ordinal``-th preemption, whose event (naming
+        them) comes later (:meth:`.Tracker.credit_causes`): kept in order with the event batches,
+        applied after those that came before it (a preemption is no reason to apply them early)."""
         try:
-            self.apply_pending()
-            with self.metrics.lock:
-                self.tracker.credit_causes(victim, ordinal, cause_ids)
+            pending = self._pending
+            pending.append(_Credit(victim, ordinal, tuple(cause_ids)))
+            if len(pending) >= self._defer_steps:
+                self.apply_pending()
+        except Exception:  # noqa: BLE001 - never into the engine
+            self._sink.internal_error(None)
+
+    def _credit(self, credit: _Credit) -> None:
+        try:
+            self.tracker.credit_causes(credit.victim, credit.ordinal, credit.causes)
         except Exception:  # noqa: BLE001 - never into the engine
             self._sink.internal_error(None)
 

@@ -141,8 +141,8 @@ class Tracker:
         # slot deleted from the front since the last resize: ~80 us per request at 10^5 ids).
         self.inflight: OrderedDict[str, RequestState] = OrderedDict()  # arrival order
         self.finished: OrderedDict[str, None] = OrderedDict()  # recently finished ids, oldest first
-        # (victim id, preemption ordinal) whose causes were credited before the victim's event came.
-        self.credited: OrderedDict[tuple[str, int], bool] = OrderedDict()
+        # (victim id, preemption ordinal) -> the causes credited before the victim's event came.
+        self.credited: OrderedDict[tuple[str, int], tuple[str, ...]] = OrderedDict()
         # Keyed by whatever an event carries as its type: garbage finds no handler.
         self._handlers: dict[object, Callable[..., None]] = {
             EventType.ARRIVED: self._arrived,
@@ -269,10 +269,10 @@ class Tracker:
         req.recomputed_tokens += event.num_computed_tokens
         causes: list[tuple[str, Optional[RequestState]]] = []
         own = req.request_id
-        credited = bool(self.credited) and self.credited.pop((own, req.num_preemptions), False)
+        credited = self.credited.pop((own, req.num_preemptions), ()) if self.credited else ()
         for cause_id in dict.fromkeys(ids):  # each cause once, in the order given
             cause = self.inflight.get(cause_id)
-            if cause is not None and not credited:
+            if cause is not None and cause_id not in credited:
                 cause.num_caused += 1
             causes.append((cause_id, cause))
         if causes:
@@ -320,14 +320,17 @@ class Tracker:
     def credit_causes(self, victim: str, ordinal: int, cause_ids: Sequence[str]) -> None:
         """The causes of ``victim``'s ``ordinal``-th preemption, known before its event comes (an
         engine core reports them at once, the victim's event comes with its next output, maybe
-        after a cause finished): each cause in flight is credited now, the event credits none."""
+        after a cause finished): each cause in flight is credited now, the event credits only the
+        others (a cause whose arrival is still to be applied: the report can be read ahead of it)."""
+        credited = []
         for cause_id in dict.fromkeys(cause_ids):
             cause = self.inflight.get(cause_id)
             if cause is not None:
                 cause.num_caused += 1
+                credited.append(cause_id)
         if len(self.credited) >= self.max_inflight:
             self.credited.popitem(last=False)
-        self.credited[(victim, ordinal)] = True
+        self.credited[(victim, ordinal)] = tuple(credited)
 
     def drain(self) -> list[RequestState]:
         """Forget every in-flight request (at shutdown) and return them."""

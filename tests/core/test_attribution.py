@@ -149,6 +149,20 @@ def test_causes_credited_before_the_victims_event_count_once(span_path: str) -> 
     assert r.histogram("request_num_preemptions_caused").sum == 2
 
 
+@SPAN_PATHS
+def test_a_cause_credited_before_it_arrived_is_credited_by_the_victims_event(span_path: str) -> None:
+    """A preemption's cause record can be read ahead of the row that makes its cause arrive: the
+    credit finds no cause in flight, so the victim's event credits it, once."""
+    r = _rig(span_path)
+    r.telemetry.on_events(_lifecycle_start("victim", 1.0))
+    r.telemetry.credit_causes("victim", 1, ("cause",))
+    r.telemetry.on_events(_lifecycle_start("cause", 1.5))
+    r.telemetry.on_events([_preempt("victim", 2.0, "cause"), RequestEvent(E.SCHEDULED, "victim", 2.5)])
+    r.telemetry.on_events([_finish("cause", 3.0), _finish("victim", 4.0)])
+    assert r.span("cause").attributes["llm.request.num_preemptions_caused"] == 1
+    assert r.histogram("request_num_preemptions_caused").sum == 1
+
+
 class _SampleOut(Sampler):
     """Samples every request but the one named (the SDK passes the span's start attributes)."""
 

@@ -53,6 +53,21 @@ def test_an_idle_engine_step_applies_pending_batches():
     assert [attrs(s.attributes)["gen_ai.request.id"] for s in r.span_exporter.get_finished_spans()] == ["a"]
 
 
+def test_a_gauges_only_step_waits_with_the_pending_work_the_last_one_read():
+    """Steps that only set gauges (no iteration's tokens) are kept, the last replacing the one
+    before: a collection reads the last values set; an idle step is applied at once."""
+    r = in_memory_telemetry(TelemetryConfig(model_name="tiny", defer_steps=1000))
+    r.telemetry.on_step(StepStats(1.0, num_running=3, num_waiting=1))
+    r.telemetry.on_step(StepStats(1.1, num_running=5, num_waiting=2))
+    assert len(r.telemetry._latest_step) == 1
+    assert (r.point("vllm:num_requests_running").value, r.point("vllm:num_requests_waiting").value) == (5, 2)
+    assert len(r.telemetry._latest_step) == 0
+    r.telemetry.on_step(StepStats(1.2, num_running=4, num_waiting=0))
+    r.telemetry.on_step(IDLE)
+    assert len(r.telemetry._latest_step) == 0  # applied: the engine went idle
+    assert (r.point("vllm:num_requests_running").value, r.point("vllm:num_requests_waiting").value) == (0, 0)
+
+
 def test_shutdown_applies_pending_batches_before_ending_open_spans():
     r = in_memory_telemetry(TelemetryConfig(model_name="tiny", defer_steps=1000))
     r.telemetry.on_events(lifecycle("done", 10.0))

@@ -243,3 +243,36 @@ def test_data_parallel_engines_each_export_as_an_instance_of_their_own(monkeypat
         for sender in senders:
             sender.close()
         consumer.close()
+
+
+def test_a_cause_record_read_ahead_of_its_requests_is_credited_when_they_come(stream: Any) -> None:
+    """The cause channel is a socket of its own: a record can be read before the given rows that
+    name its victim and cause. It is kept and credited once they are known, before the cause
+    finishes (here in the same output), so the victim's later event still counts it once."""
+    from vllm.v1.engine import FinishReason
+
+    t, wall, o = time.monotonic(), time.time(), stream
+    o.causes.send(CauseRecord("v", 1, CAUSE_REQUEST, ("c",)))
+    hello = stream_channel.json_frame(stream_channel.HELLO, {"engine": 0, "model": "tiny"})
+    given_x = stream_channel.json_frame(stream_channel.REQUESTS, [["x", wall, 4, 4, None]])
+    # x's output has events: the record is drained here, before v and c are known.
+    o.sender.send(hello + given_x + _encode(_outputs(t + 0.1, _out("x", 1, ((QUEUED, t), (SCHEDULED, t + 0.05))))))
+    given = stream_channel.json_frame(stream_channel.REQUESTS, [["v", wall, 4, 8, None], ["c", wall, 4, 1, None]])
+    o.sender.send(
+        given
+        + _encode(
+            _outputs(
+                t + 0.2,
+                _out("v", 1, ((QUEUED, t + 0.1), (SCHEDULED, t + 0.15))),
+                _out("c", 1, ((QUEUED, t + 0.1), (SCHEDULED, t + 0.15)), FinishReason.LENGTH),
+            )
+        )
+        + _encode(_outputs(t + 0.3, _out("v", 0, ((PREEMPTED, t + 0.25),))))
+        + _encode(_outputs(t + 0.4, _out("v", 1, ((SCHEDULED, t + 0.35),), FinishReason.LENGTH)))
+        + _encode(_outputs(t + 0.5, _out("x", 1, finish=FinishReason.LENGTH)))
+    )
+    wait_until(lambda: len(o.spans.get_finished_spans()) == 3, 30, what="the three request spans")
+    spans = _spans(o)
+    assert spans["c"].attributes["llm.request.num_preemptions_caused"] == 1
+    [event] = [e for e in spans["v"].events if e.name == "preempted"]
+    assert list(event.attributes["cause_request_ids"]) == ["c"]

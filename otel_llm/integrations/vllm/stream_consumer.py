@@ -28,14 +28,22 @@ from typing import Any, Optional
 from otel_llm.catalogue import drops
 from otel_llm.config.settings import TelemetryConfig
 from otel_llm.export import resource as resources
-from otel_llm.integrations.vllm import cause_channel, stream_channel
+from otel_llm.integrations.vllm import cause_channel, stream_channel, stream_translate
 from otel_llm.integrations.vllm.stream_translate import StreamTranslator
 from otel_llm.summary import ENGINE_DEAD, SHUTDOWN
 
 _log = logging.getLogger("otel_llm.integrations.vllm")
 
 MAX_CAUSES = 65_536  # cause records kept until their preemption's output comes
+MAX_UNCREDITED = 1024  # cause records kept until their victim is known, to credit its causes
+UNCREDITED_TRIES = 8  # drains a cause record waits for its victim's given row, then it is let go
 POLL_S = 0.5  # how often the thread looks whether it should stop, when nothing comes
+# After a read, the next waits this long: the engine steps' frames meanwhile (one every few ms on
+# a small model) are read and recorded together, the consumer's code and data warm for all but
+# the first, instead of each after the engine's work has evicted them. Each read takes all that
+# waits; meanwhile the engine core's socket buffer holds what it sends (SEND_BUFFER asked for).
+READ_GAP_S = 0.05
+READ_SIZE = 1 << 20
 
 
 class _Engine:
@@ -56,6 +64,7 @@ class StreamConsumer:
         self._listener.listen(64)
         self._causes = cause_channel.Receiver(folder)
         self._cause_book: dict[tuple[str, int], cause_channel.CauseRecord] = {}
+        self._uncredited: list[tuple[cause_channel.CauseRecord, int]] = []  # with the drains it waited
         self._connections: dict[socket.socket, stream_channel.Connection] = {}
         self._engines: dict[socket.socket, _Engine] = {}
         self._lost_before_hello: dict[socket.socket, int] = {}  # an engine core's losses told before its hello
@@ -92,9 +101,12 @@ class StreamConsumer:
                     for peer in ready:
                         if peer is self._listener:
                             connection, _ = self._listener.accept()
+                            connection.setblocking(False)
                             self._connections[connection] = stream_channel.Connection(connection)
                         else:
                             self._read(peer)
+                if ready:
+                    self._stop.wait(READ_GAP_S)
         except Exception:  # noqa: BLE001 - never into vLLM: the consumer stops, vLLM serves on
             _log.exception("otel-llm engine stream: the consumer failed and stops recording (reported once)")
 
@@ -102,23 +114,27 @@ class StreamConsumer:
     def _recv(peer: socket.socket) -> Optional[bytes]:
         """A chunk of what ``peer`` sent; b"" when its connection ended; None when nothing waits."""
         try:
-            return peer.recv(1 << 20)
+            return peer.recv(READ_SIZE)
         except BlockingIOError:
             return None
         except OSError:
             return b""
 
     def _read(self, peer: socket.socket) -> None:
-        chunk = self._recv(peer)
-        if chunk is None:
-            return
-        if chunk:
+        """All that ``peer`` sent and waits."""
+        while (chunk := self._recv(peer)) is not None:
+            if not chunk:
+                break
             try:
                 for kind, payload in self._connections[peer].frames(chunk):
                     self._frame(peer, kind, payload)
-                return
             except ValueError as exc:
                 _log.warning("otel-llm engine stream: a connection sent garbage (%s); it is dropped", exc)
+                break
+            if len(chunk) < READ_SIZE:
+                return
+        else:
+            return
         self._ended(peer)
 
     def _frame(self, peer: socket.socket, kind: bytes, payload: bytes) -> None:
@@ -139,7 +155,6 @@ class StreamConsumer:
             if kind == stream_channel.LOST:  # told before the hello that follows it
                 self._lost_before_hello[peer] = self._lost_before_hello.get(peer, 0) + int(json.loads(payload))
         elif kind == stream_channel.OUTPUTS:
-            self._drain_causes()
             engine.translator.outputs(self._decode(payload))
         elif kind == stream_channel.REQUESTS:
             engine.translator.given(json.loads(payload))
@@ -153,24 +168,32 @@ class StreamConsumer:
 
     def _decode(self, payload: bytes) -> Any:
         if self._decoder is None:
-            from vllm.v1.engine import EngineCoreOutputs
-            from vllm.v1.serial_utils import MsgpackDecoder
-
-            self._decoder = MsgpackDecoder(EngineCoreOutputs)
-        return self._decoder.decode(stream_channel.split_outputs(payload))
+            self._decoder = stream_translate.decoder()
+        return self._decoder(stream_channel.split_outputs(payload)[0])
 
     def _drain_causes(self) -> None:
         """Each cause record kept for its victim's event, and its causes credited at once: the
-        victim's event comes with its next output, maybe after a cause finished."""
+        victim's event comes with its next output, maybe after a cause finished. The records are
+        read ahead of the frames: one whose victim and causes are in given rows still to be read
+        is credited at a later drain, unless its event came first (which credited them)."""
         book = self._cause_book
+        records, self._uncredited = self._uncredited, []
         for record in self._causes.drain():
             if len(book) >= MAX_CAUSES:
                 book.pop(next(iter(book)))
             book[(record.victim, record.ordinal)] = record
-            for engine in self._engines.values():
-                if engine.translator.knows(record.victim):
+            records.append((record, 0))
+        for record, tries in records:
+            if (record.victim, record.ordinal) not in book:
+                continue
+            for engine in self._engines.values():  # its victim's engine, where its causes are too
+                translator = engine.translator
+                if translator.knows(record.victim) or any(translator.knows(c) for c in record.causes):
                     engine.telemetry.credit_causes(record.victim, record.ordinal, record.causes)
                     break
+            else:
+                if tries < UNCREDITED_TRIES and len(self._uncredited) < MAX_UNCREDITED:
+                    self._uncredited.append((record, tries + 1))
         if self._causes.lost:
             for engine in self._engines.values():
                 engine.telemetry.count_dropped(drops.CAUSE_RECORDS_LOST, self._causes.lost)
@@ -184,7 +207,7 @@ class StreamConsumer:
         telemetry = self._telemetry_by_index.get(index)
         if telemetry is None:
             telemetry = self._telemetry_by_index[index] = self._new_telemetry(index, model)
-        return _Engine(telemetry, StreamTranslator(_publisher(telemetry), self._cause_of))
+        return _Engine(telemetry, StreamTranslator(_publisher(telemetry), self._cause_of, self._drain_causes))
 
     def _new_telemetry(self, index: int, model: str) -> Any:
         """Engine ``index``'s telemetry. Its identity is the engine core's, whatever the
@@ -205,6 +228,7 @@ class StreamConsumer:
     def _ended(self, peer: socket.socket) -> None:
         """A connection ended: its engine core stopped (said so) or died."""
         self._connections.pop(peer, None)
+        self._drain_causes()  # the causes of its requests' last preemptions, credited before they end
         self._lost_before_hello.pop(peer, None)
         engine = self._engines.pop(peer, None)
         peer.close()
@@ -233,13 +257,13 @@ class StreamConsumer:
 
     def _read_rest(self, peer: socket.socket) -> None:
         """What an engine core wrote before the serve stopped, then the connection closed."""
-        peer.setblocking(False)
         while peer in self._connections:
             chunk = self._recv(peer)
             if not chunk:
                 break
             for kind, payload in self._connections[peer].frames(chunk):
                 self._frame(peer, kind, payload)
+        self._drain_causes()
         self._connections.pop(peer, None)
         self._engines.pop(peer, None)
         peer.close()

@@ -26,12 +26,60 @@ PREEMPTED_REASON = "kv_cache_full"
 MAX_KNOWN = 65_536  # requests given and not yet seen finishing; the oldest forgotten past it
 _QUEUED, _SCHEDULED, _PREEMPTED = 1, 2, 3  # vLLM's EngineCoreEventType
 _FINISH = {0: "stop", 1: "length", 2: "abort", 3: "error", 4: "stop"}  # vLLM's FinishReason: repetition stops
+_RUNNING, _WAITING, _USAGE = (f.vllm for f in SCHEDULER_FIELDS)  # SchedulerStats' fields
+_TOKENS = EventType.TOKENS  # a module global: reading a member through its Enum class costs more, per output
+
+
+def decoder() -> Callable[[Any], Any]:
+    """A decoder of vLLM's encoded ``EngineCoreOutputs`` (its first buffer) into what
+    :meth:`StreamTranslator.outputs` reads: the fields translated, typed; every other field (the
+    tensors' out-of-band buffers not looked up) as msgpack has it, mostly None. Each struct's
+    fields, their order and its layout (array or map) are vLLM's own classes'; its stats
+    (dataclasses) are maps, read by name."""
+    import msgspec
+    from vllm.v1.engine import EngineCoreEvent, EngineCoreOutput, EngineCoreOutputs
+
+    def like(cls: Any, typed: dict[str, Any]) -> Any:
+        fields = [(name, typed.get(name, Any), None) for name in cls.__struct_fields__]
+        array_like = cls.__struct_config__.array_like
+        return msgspec.defstruct(f"Translated{cls.__name__}", fields, array_like=array_like, gc=False)
+
+    event = like(EngineCoreEvent, {"type": int, "timestamp": float})
+    prefill = msgspec.defstruct("TranslatedPrefill", [("num_prompt_tokens", int, 0)])
+    scheduler = msgspec.defstruct(
+        "TranslatedScheduler",
+        [(_RUNNING, int, 0), (_WAITING, int, 0), ("num_skipped_waiting_reqs", int, 0), (_USAGE, float, 0.0)],
+    )
+    output = like(
+        EngineCoreOutput,
+        {
+            "request_id": str,
+            "new_token_ids": Optional[list[int]],
+            "finish_reason": Optional[int],
+            "events": Optional[list[event]],  # type: ignore[valid-type]
+            "trace_headers": Optional[dict[str, str]],
+            "prefill_stats": Optional[prefill],
+        },
+    )
+    outputs = like(
+        EngineCoreOutputs,
+        {
+            "outputs": Optional[list[output]],  # type: ignore[valid-type]
+            "scheduler_stats": Optional[scheduler],
+            "timestamp": Optional[float],
+            "finished_requests": Optional[list[str]],
+        },
+    )
+    return msgspec.msgpack.Decoder(outputs).decode
 
 
 class _Running:
-    __slots__ = ("arrived", "preemptions", "tokens")
+    __slots__ = ("rid", "arrived", "preemptions", "tokens")
 
-    def __init__(self, arrived: float) -> None:
+    def __init__(self, rid: str, arrived: float) -> None:
+        # The id as first given: the telemetry's key too. Its events carry this very string (a
+        # dict lookup then matches it by identity), not the equal one decoded from each output.
+        self.rid = rid
         self.arrived = arrived  # the ARRIVED timestamp: no later event of the request before it
         self.preemptions = 0
         self.tokens = 0
@@ -39,15 +87,19 @@ class _Running:
 
 class StreamTranslator:
     """One engine core's stream into ``publish(events, step)``; ``cause_of(victim, ordinal)``
-    gives a preemption's cause record, if the engine core sent one."""
+    gives a preemption's cause record, if the engine core sent one; ``drain_causes()`` takes in
+    the cause records sent so far (crediting their causes), called before an output that may
+    need them (a preemption, a finish): an output of new tokens only needs none."""
 
     def __init__(
         self,
         publish: Callable[[list[RequestEvent], Optional[StepStats]], None],
         cause_of: Callable[[str, int], Optional[CauseRecord]],
+        drain_causes: Callable[[], None],
     ) -> None:
         self._publish = publish
         self._cause_of = cause_of
+        self._drain_causes = drain_causes
         self._running: collections.OrderedDict[str, _Running] = collections.OrderedDict()
         self.lost_requests = 0  # requests the engine core could not tell us of (its queue was full)
 
@@ -87,45 +139,64 @@ class StreamTranslator:
     def _track(self, rid: str, arrived: float) -> _Running:
         if len(self._running) >= MAX_KNOWN:  # the telemetry's own cap lets the oldest go too
             self._running.popitem(last=False)
-        running = self._running[rid] = _Running(arrived)
+        running = self._running[rid] = _Running(rid, arrived)
         return running
 
     def outputs(self, eco: Any) -> None:
         """One decoded ``EngineCoreOutputs``."""
         now = float(eco.timestamp or time.monotonic())
         events: list[RequestEvent] = []
+        running_by_id = self._running
+        drained = False
         for out in eco.outputs or ():
-            rid = str(out.request_id)
-            running = self._running.get(rid)
-            core_events = out.events or ()
-            if running is None:
-                arrived = min((e.timestamp for e in core_events), default=now)
-                running = self._track(rid, arrived)
-                events.append(self._arrived(rid, out, arrived))
-            for e in core_events:
-                kind, at = int(e.type), max(e.timestamp, running.arrived)
-                if kind == _QUEUED:
-                    events.append(RequestEvent(EventType.QUEUED, rid, at))
-                elif kind == _SCHEDULED:
-                    events.append(RequestEvent(EventType.SCHEDULED, rid, at))
-                elif kind == _PREEMPTED:
-                    running.preemptions += 1
-                    events.append(self._preempted(rid, running.preemptions, at))
-            step_at = max(now, running.arrived)
-            new = len(out.new_token_ids or ())
-            if new:
-                if running.tokens == 0:
-                    events.append(RequestEvent(EventType.FIRST_TOKEN, rid, step_at))
-                running.tokens += new
-                events.append(RequestEvent(EventType.TOKENS, rid, step_at, num_tokens=new))
-            if out.finish_reason is not None:
-                reason = _FINISH.get(int(out.finish_reason), "stop")
-                events.append(RequestEvent(EventType.FINISHED, rid, step_at, finish_reason=reason))
-                del self._running[rid]
+            running = running_by_id.get(out.request_id)
+            # Most outputs, step after step: new tokens of a request past its first, nothing else.
+            if running is not None and running.tokens and out.events is None and out.finish_reason is None:
+                new = len(out.new_token_ids or ())
+                if new:
+                    running.tokens += new
+                    at = max(now, running.arrived)
+                    events.append(RequestEvent(_TOKENS, running.rid, at, 0, 0, new))  # num_tokens=new
+            else:
+                if not drained:
+                    self._drain_causes()
+                    drained = True
+                self._output(out, running, now, events)
+        if eco.finished_requests and not drained:
+            self._drain_causes()
         for rid in eco.finished_requests or ():
             if self._running.pop(str(rid), None) is not None:  # ended with no final output: aborted
                 events.append(RequestEvent(EventType.FINISHED, str(rid), now, finish_reason="abort"))
         self._publish(events, self._step(eco.scheduler_stats, now))
+
+    def _output(self, out: Any, running: Optional[_Running], now: float, events: list[RequestEvent]) -> None:
+        """One request's output, whatever it holds."""
+        rid = str(out.request_id)
+        core_events = out.events or ()
+        if running is None:
+            arrived = min((e.timestamp for e in core_events), default=now)
+            running = self._track(rid, arrived)
+            events.append(self._arrived(rid, out, arrived))
+        for e in core_events:
+            kind, at = int(e.type), max(e.timestamp, running.arrived)
+            if kind == _QUEUED:
+                events.append(RequestEvent(EventType.QUEUED, rid, at))
+            elif kind == _SCHEDULED:
+                events.append(RequestEvent(EventType.SCHEDULED, rid, at))
+            elif kind == _PREEMPTED:
+                running.preemptions += 1
+                events.append(self._preempted(rid, running.preemptions, at))
+        step_at = max(now, running.arrived)
+        new = len(out.new_token_ids or ())
+        if new:
+            if running.tokens == 0:
+                events.append(RequestEvent(EventType.FIRST_TOKEN, rid, step_at))
+            running.tokens += new
+            events.append(RequestEvent(_TOKENS, rid, step_at, num_tokens=new))
+        if out.finish_reason is not None:
+            reason = _FINISH.get(int(out.finish_reason), "stop")
+            events.append(RequestEvent(EventType.FINISHED, rid, step_at, finish_reason=reason))
+            del self._running[rid]
 
     @staticmethod
     def _arrived(rid: str, out: Any, at: float) -> RequestEvent:
@@ -151,14 +222,16 @@ class StreamTranslator:
     def _step(stats: Any, now: float) -> Optional[StepStats]:
         if stats is None:
             return None
-        running, waiting, usage = (getattr(stats, f.vllm, None) for f in SCHEDULER_FIELDS)
+        running = getattr(stats, _RUNNING, None)
+        waiting = getattr(stats, _WAITING, None)
+        usage = getattr(stats, _USAGE, None)
         skipped = getattr(stats, "num_skipped_waiting_reqs", 0)
         return StepStats(
             now,
-            num_running=int(running or 0),
-            num_waiting=int(waiting or 0) + (skipped if type(skipped) is int else 0),
-            kv_cache_usage=min(1.0, max(0.0, float(usage or 0.0))),
-            num_batched_tokens=None,
+            int(running or 0),
+            int(waiting or 0) + (skipped if type(skipped) is int else 0),
+            min(1.0, max(0.0, float(usage or 0.0))),
+            None,  # num_batched_tokens: a scheduler snapshot, not an iteration
         )
 
     def drain(self) -> list[str]:
