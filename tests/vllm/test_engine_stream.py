@@ -1,7 +1,7 @@
 """The engine-core stream under a frontend that calls no stat-logger plugin (the Rust frontend),
 on vLLM's own classes: ``EngineCoreOutputs`` encoded by vLLM's ``MsgpackEncoder`` as its engine
 core does, sent over the stream channel by an engine core's sender to a real consumer (a thread
-on Unix sockets), decoded with vLLM's ``MsgpackDecoder`` and recorded: exact preemption times,
+on Unix sockets), decoded by structs shaped from vLLM's classes and recorded: exact preemption times,
 ordinals and causes, the histogram, the counters, the cut-short requests of a dead engine core."""
 
 from __future__ import annotations
@@ -276,3 +276,37 @@ def test_a_cause_record_read_ahead_of_its_requests_is_credited_when_they_come(st
     assert spans["c"].attributes["llm.request.num_preemptions_caused"] == 1
     [event] = [e for e in spans["v"].events if e.name == "preempted"]
     assert list(event.attributes["cause_request_ids"]) == ["c"]
+
+
+def test_outputs_of_a_shape_not_foreseen_are_decoded_by_vllms_own_decoder(
+    otel: Any, monkeypatch: Any, caplog: Any
+) -> None:
+    """The consumer's own decoder rejects outputs of another vLLM's shape: it says so once and
+    decodes with vLLM's decoder from then on, nothing lost. This vLLM's outputs all decode, so
+    the decoder is replaced by one that rejects them (the fault cannot be caused otherwise)."""
+    import logging
+
+    import msgspec
+    from vllm.v1.engine import FinishReason
+
+    from otel_llm.integrations.vllm import stream_translate
+
+    monkeypatch.setattr(stream_translate, "decoder", lambda: msgspec.msgpack.Decoder(list[str]).decode)
+    folder = tempfile.mkdtemp(prefix="otel-llm-stream-")
+    o = otel()
+    consumer = StreamConsumer(folder, handle=o.handle).start()
+    sender = stream_channel.Sender(folder)
+    t = time.monotonic()
+    try:
+        with caplog.at_level(logging.WARNING, logger="otel_llm.integrations.vllm"):
+            sender.send(stream_channel.json_frame(stream_channel.HELLO, {"engine": 0, "model": "tiny"}))
+            for i in range(2):
+                events = ((QUEUED, t), (SCHEDULED, t + 0.1))
+                sender.send(_encode(_outputs(t + 1 + i, _out(f"r{i}", 3, events, FinishReason.LENGTH, prompt=4))))
+            wait_until(lambda: len(o.spans.get_finished_spans()) == 2, 30, what="both request spans")
+        assert sorted(_spans(o)) == ["r0", "r1"]
+        assert {s.attributes["gen_ai.usage.output_tokens"] for s in _spans(o).values()} == {3}
+        assert len([r for r in caplog.records if "vLLM's own decoder" in r.getMessage()]) == 1
+    finally:
+        sender.close()
+        consumer.close()

@@ -167,9 +167,23 @@ class StreamConsumer:
             engine.clean = True
 
     def _decode(self, payload: bytes) -> Any:
+        buffers = stream_channel.split_outputs(payload)
         if self._decoder is None:
-            self._decoder = stream_translate.decoder()
-        return self._decoder(stream_channel.split_outputs(payload)[0])
+            slim = stream_translate.decoder()
+            self._decoder = lambda buffers: slim(buffers[0])
+        try:
+            return self._decoder(buffers)
+        except ValueError as exc:  # msgspec's ValidationError: a field of a type not foreseen
+            from vllm.v1.engine import EngineCoreOutputs
+            from vllm.v1.serial_utils import MsgpackDecoder
+
+            _log.warning(
+                "otel-llm engine stream: this vLLM's outputs do not decode as expected (%s); "
+                "decoding them with vLLM's own decoder from now on, at a higher cost",
+                exc,
+            )
+            self._decoder = MsgpackDecoder(EngineCoreOutputs).decode
+            return self._decoder(buffers)
 
     def _drain_causes(self) -> None:
         """Each cause record kept for its victim's event, and its causes credited at once: the
