@@ -121,8 +121,11 @@ class StreamConsumer:
             return b""
 
     def _read(self, peer: socket.socket) -> None:
-        """All that ``peer`` sent and waits."""
-        while (chunk := self._recv(peer)) is not None:
+        """All that ``peer`` sent and waits; its end, when its connection ended or sent garbage."""
+        while True:
+            chunk = self._recv(peer)
+            if chunk is None:
+                return
             if not chunk:
                 break
             try:
@@ -133,8 +136,6 @@ class StreamConsumer:
                 break
             if len(chunk) < READ_SIZE:
                 return
-        else:
-            return
         self._ended(peer)
 
     def _frame(self, peer: socket.socket, kind: bytes, payload: bytes) -> None:
