@@ -310,3 +310,16 @@ def test_outputs_of_a_shape_not_foreseen_are_decoded_by_vllms_own_decoder(
     finally:
         sender.close()
         consumer.close()
+
+
+def test_an_engine_core_that_died_just_before_the_serve_stopped_cuts_its_requests_short(stream: Any) -> None:
+    """The serve stops (its exit) right after an engine core died: the consumer's last read finds
+    the connection ended without a goodbye, so its requests end ``engine_dead``, not ``shutdown``."""
+    t, o = time.monotonic(), stream
+    o.sender.send(stream_channel.json_frame(stream_channel.HELLO, {"engine": 0, "model": "tiny"}))
+    o.sender.send(_encode(_outputs(t, _out("y", 1, ((QUEUED, t - 0.2), (SCHEDULED, t - 0.1)), prompt=5))))
+    wait_until(lambda: o.consumer._engines, 30, what="the engine core's hello read")
+    o.sender.close()  # no goodbye: the engine core died
+    o.consumer.close()  # at once: the serve's exit
+    (span,) = o.spans.get_finished_spans()
+    assert span.attributes["llm.request.incomplete"] == "engine_dead"

@@ -271,17 +271,15 @@ class StreamConsumer:
             self._listener.close()
 
     def _read_rest(self, peer: socket.socket) -> None:
-        """What an engine core wrote before the serve stopped, then the connection closed."""
-        while peer in self._connections:
-            chunk = self._recv(peer)
-            if not chunk:
-                break
-            for kind, payload in self._connections[peer].frames(chunk):
-                self._frame(peer, kind, payload)
-        self._drain_causes()
-        self._connections.pop(peer, None)
-        self._engines.pop(peer, None)
-        peer.close()
+        """What an engine core wrote before the serve stopped. A connection that ended meanwhile
+        ends as any other (:meth:`_ended`: its engine core said goodbye, or died, maybe just
+        before the serve was told to stop); one still open is closed."""
+        self._read(peer)
+        if peer in self._connections:
+            self._drain_causes()
+            self._connections.pop(peer)
+            self._engines.pop(peer, None)
+            peer.close()
 
 
 def _publisher(telemetry: Any) -> Any:
