@@ -79,6 +79,13 @@ class _Exporters:
         )
 
 
+def without_prometheus(config: TelemetryConfig) -> TelemetryConfig:
+    """``config`` with no Prometheus endpoint: for providers of another resource in a process
+    whose endpoint could not bind its port (said once, there), so that they do not try again."""
+    kept = tuple(e for e in _Exporters.of(config).metrics if e != "prometheus")
+    return dataclasses.replace(config, metrics_exporters=kept or ("none",))
+
+
 def setup_telemetry(
     config: Optional[TelemetryConfig] = None,
     *,

@@ -245,6 +245,43 @@ def test_data_parallel_engines_each_export_as_an_instance_of_their_own(monkeypat
         consumer.close()
 
 
+def test_a_taken_prometheus_port_is_said_once_for_every_engine(monkeypatch: Any, caplog: Any) -> None:
+    """The first engine's endpoint cannot bind its port: one warning, and the other engines'
+    providers do not try the port again (each would warn once more)."""
+    import logging
+    import socket
+
+    from tests.support.backends import free_port
+
+    port = free_port()
+    for key, value in {
+        "OTEL_METRICS_EXPORTER": "prometheus",
+        "OTEL_TRACES_EXPORTER": "none",
+        "OTEL_EXPORTER_PROMETHEUS_PORT": str(port),
+    }.items():
+        monkeypatch.setenv(key, value)
+    folder = tempfile.mkdtemp(prefix="otel-llm-stream-")
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", port))
+    taken.listen()
+    consumer = StreamConsumer(folder).start()
+    senders = [stream_channel.Sender(folder) for _ in range(3)]
+    try:
+        with caplog.at_level(logging.WARNING, logger="otel_llm"):
+            for engine, sender in enumerate(senders):
+                sender.send(stream_channel.json_frame(stream_channel.HELLO, {"engine": engine, "model": "tiny"}))
+            wait_until(lambda: len(consumer._handles) == 3, 30, interval=0.05, what="three engines' providers")
+        said = [r for r in caplog.records if "no /metrics endpoint in this process" in r.getMessage()]
+        assert len(said) == 1
+        assert [h.prometheus for h in consumer._handles] == [None, None, None]
+        assert [h.config.metrics_exporters for h in consumer._handles[1:]] == [("none",), ("none",)]
+    finally:
+        for sender in senders:
+            sender.close()
+        consumer.close()
+        taken.close()
+
+
 def test_a_cause_record_read_ahead_of_its_requests_is_credited_when_they_come(stream: Any) -> None:
     """The cause channel is a socket of its own: a record can be read before the given rows that
     name its victim and cause. It is kept and credited once they are known, before the cause

@@ -229,11 +229,13 @@ class StreamConsumer:
         data-parallel size: an engine core of a non-MoE model is told it is the only one."""
         if self._given is not None:
             return self._given.telemetry if index == 0 else self._given.new_telemetry(engine=str(index))
-        from otel_llm.export.setup import setup_telemetry
+        from otel_llm.export.setup import setup_telemetry, without_prometheus
 
         config = TelemetryConfig.from_env(defaults={"model_name": model} if model else None)
         config = resources.part_of_process(dataclasses.replace(config, engine=str(index)), f"engine-{index}")
         serve_on = self._handles[0].prometheus if self._handles else None
+        if self._handles and serve_on is None:
+            config = without_prometheus(config)  # the first engine's endpoint is not there: none tries again
         handle = setup_telemetry(config, port_taken="warn", serve_on=serve_on)
         # Ours to shut down, after the requests in flight are ended (close), not before them.
         atexit.unregister(handle.shutdown)
