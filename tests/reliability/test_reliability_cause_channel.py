@@ -39,6 +39,20 @@ def test_every_record_arrives_in_order_from_each_engine_core(folder: str) -> Non
     assert not os.path.exists(receiver.address)
 
 
+def test_a_closed_receiver_is_not_kept_for_the_exit(folder: str) -> None:
+    """A receiver closes itself at the process's exit; closed before, it is let go (a process
+    that makes one receiver after another does not keep each until it exits)."""
+    import gc
+    import weakref
+
+    receiver = Receiver(folder)
+    ref = weakref.ref(receiver)
+    receiver.close()
+    del receiver
+    gc.collect()
+    assert ref() is None
+
+
 def test_a_sender_never_blocks_and_what_it_drops_is_counted(folder: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """An API server that does not drain: the engine core goes on (its socket full, then its own
     buffer), drops past the bound, and tells the count with its next line after the drain."""

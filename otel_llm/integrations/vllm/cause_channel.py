@@ -143,11 +143,12 @@ class Receiver:
         self.garbage = 0  # lines that were not records
         owner = os.getpid()
 
-        def close() -> None:
+        def close_at_exit() -> None:
             if os.getpid() == owner:  # not in a forked child
                 self.close()
 
-        atexit.register(close)
+        self._at_exit = close_at_exit
+        atexit.register(close_at_exit)
 
     def drain(self) -> list[CauseRecord]:
         """Every record received so far, in order per engine core; never waits."""
@@ -220,6 +221,7 @@ class Receiver:
         return None
 
     def close(self) -> None:
+        atexit.unregister(self._at_exit)  # closed: nothing left for the exit, nor kept alive for it
         for peer in self._peers:
             peer.close()
         self._peers.clear()
