@@ -242,13 +242,17 @@ class StreamConsumer:
         self._handles.append(handle)
         return handle.telemetry
 
-    def _ended(self, peer: socket.socket) -> None:
-        """A connection ended: its engine core stopped (said so) or died."""
+    def _forget(self, peer: socket.socket) -> Optional[_Engine]:
+        """Close and drop a connection, the causes its requests need credited first; its engine."""
         self._connections.pop(peer, None)
         self._drain_causes()  # the causes of its requests' last preemptions, credited before they end
         self._lost_before_hello.pop(peer, None)
-        engine = self._engines.pop(peer, None)
         peer.close()
+        return self._engines.pop(peer, None)
+
+    def _ended(self, peer: socket.socket) -> None:
+        """A connection ended: its engine core stopped (said so) or died."""
+        engine = self._forget(peer)
         if engine is not None and engine.translator.drain():
             engine.telemetry.end_in_flight(SHUTDOWN if engine.clean else ENGINE_DEAD)
 
@@ -278,10 +282,7 @@ class StreamConsumer:
         before the serve was told to stop); one still open is closed."""
         self._read(peer)
         if peer in self._connections:
-            self._drain_causes()
-            self._connections.pop(peer)
-            self._engines.pop(peer, None)
-            peer.close()
+            self._forget(peer)
 
 
 def _publisher(telemetry: Any) -> Any:
