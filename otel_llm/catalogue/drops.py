@@ -17,6 +17,7 @@ EVICTED = "evicted"  # a whole request, pushed out by the in-flight cap
 UNKNOWN_CAUSE = "unknown_cause"  # a preemption's cause names a request never seen (or long forgotten): no link
 CAUSE_RECORDS_LOST = "cause_records_lost"  # causes an engine core could not report (its channel full)
 ENGINE_STREAM_LOST = "engine_stream_lost"  # engine-core messages not handed over (consumer slow, absent)
+ENGINE_STREAM_UNREADABLE = "engine_stream_unreadable"  # engine-core messages that failed to decode or translate
 INTERNAL_ERROR = "internal_error"
 # What the export path lost, counted in items by otel_llm.export.accounting.
 SPANS_QUEUE_FULL = "spans_queue_full"  # BatchSpanProcessor queue full (collector slow or down)
@@ -43,6 +44,7 @@ DROP_REASONS = (
     UNKNOWN_CAUSE,
     CAUSE_RECORDS_LOST,
     ENGINE_STREAM_LOST,
+    ENGINE_STREAM_UNREADABLE,
     INTERNAL_ERROR,
     SPANS_QUEUE_FULL,
     SPANS_AFTER_SHUTDOWN,

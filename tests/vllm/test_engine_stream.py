@@ -328,7 +328,7 @@ def test_outputs_of_a_shape_not_foreseen_are_decoded_by_vllms_own_decoder(
 
     from otel_llm.integrations.vllm import stream_translate
 
-    monkeypatch.setattr(stream_translate, "decoder", lambda: msgspec.msgpack.Decoder(list[str]).decode)
+    monkeypatch.setattr(stream_translate, "decoder", lambda reader: msgspec.msgpack.Decoder(list[str]).decode)
     folder = tempfile.mkdtemp(prefix="otel-llm-stream-")
     o = otel()
     consumer = StreamConsumer(folder, handle=o.handle).start()

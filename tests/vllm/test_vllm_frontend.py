@@ -1,13 +1,14 @@
 """vLLM's Rust frontend calls no stat-logger plugin: the plugin's general entry point (run in every
-vLLM process) starts the engine-core stream's consumer in ``vllm serve``'s own process (no
-multiprocessing parent) and the hand-over in the processes it starts; under the Python frontend,
-neither."""
+vLLM process) starts the engine-core stream's consumer in ``vllm serve``'s own process (the one
+that makes the channel folder) and the hand-over in the processes it starts, whoever starts them
+(multiprocessing, Ray); under the Python frontend, neither."""
 
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
+import subprocess
+import sys
 from typing import Any, Iterator
 
 import pytest
@@ -45,17 +46,38 @@ def test_in_vllm_serves_process_the_consumer_starts_once(fresh, monkeypatch, cap
     assert "VLLM_USE_RUST_FRONTEND=1: recording vLLM's engine-core stream in this process" in line
 
 
+def _folder_made_by(path: Any, pid: int) -> str:
+    (path / cause_channel.OWNER).write_text(str(pid))
+    return str(path)
+
+
 def test_in_an_engine_core_the_hand_over_attaches(fresh, monkeypatch, tmp_path):
+    """A process that inherits the folder of a live vllm serve is one it started, with or without a
+    multiprocessing parent (Ray's data-parallel workers have none)."""
     from vllm.v1.engine.core import EngineCore
 
     from otel_llm.integrations.vllm.deep_hook import register
 
     original = EngineCore.add_request
     monkeypatch.setenv("VLLM_USE_RUST_FRONTEND", "1")
-    monkeypatch.setenv(cause_channel.ENV, str(tmp_path))  # inherited from vllm serve's process
-    monkeypatch.setattr(multiprocessing, "parent_process", lambda: object())
+    monkeypatch.setenv(cause_channel.ENV, _folder_made_by(tmp_path, os.getppid()))  # vllm serve's, running
     register()
     assert fresh == [engine_tap] and EngineCore.add_request is not original
+
+
+def test_a_folder_left_by_a_serve_that_ended_is_not_taken_for_this_serves(fresh, monkeypatch, tmp_path):
+    """The variable left in an environment by a vllm serve that has ended: this process is a new
+    vllm serve, with a folder of its own."""
+    from otel_llm.integrations.vllm.deep_hook import register
+
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    monkeypatch.setenv("VLLM_USE_RUST_FRONTEND", "1")
+    monkeypatch.setenv(cause_channel.ENV, _folder_made_by(tmp_path, int(ended.stdout)))
+    register()
+    [consumer] = fresh
+    assert isinstance(consumer, StreamConsumer)
+    path = os.environ[cause_channel.ENV]
+    assert path != str(tmp_path) and os.path.exists(os.path.join(path, stream_channel.SOCKET_NAME))
 
 
 @pytest.mark.parametrize("value", [None, "0", "no"])
@@ -75,6 +97,8 @@ def test_python_frontend_starts_neither(fresh, monkeypatch, value):
 
 def test_vllm_serve_started_by_a_python_supervisor_still_runs_the_consumer(fresh, monkeypatch):
     """A multiprocessing parent (a supervisor) but no channel folder inherited: vllm serve's own."""
+    import multiprocessing
+
     from otel_llm.integrations.vllm.deep_hook import register
 
     monkeypatch.setenv("VLLM_USE_RUST_FRONTEND", "1")

@@ -24,6 +24,7 @@ from otel_llm.catalogue.metrics import METRICS
 from otel_llm.core.telemetry import EngineTelemetry
 from otel_llm.integrations.vllm import attribution, traces
 from otel_llm.integrations.vllm import deep_hook as vllm_deep_hook
+from otel_llm.integrations.vllm.enums import FINISH_REASONS
 from otel_llm.integrations.vllm.fields import FieldReader
 from otel_llm.integrations.vllm.plan import make_plan, read_step_series
 from otel_llm.integrations.vllm.translate import StepTranslator, VllmStep
@@ -260,12 +261,7 @@ class VllmAdapter:
 
 def _finish_reasons() -> tuple[str, ...]:
     """vLLM's finish reasons as its logger labels them (one ``request_success`` series each)."""
-    try:
-        from vllm.v1.engine import FinishReason
-
-        return tuple(str(reason) for reason in FinishReason)
-    except Exception:  # noqa: BLE001 - a vLLM without it: the reasons every vLLM has
-        return ("stop", "length", "abort", "error")
+    return tuple(FINISH_REASONS.values())
 
 
 def _shared_gauges(vllm_config: Any, series: Any, telemetry: dict[int, Any]) -> Any:

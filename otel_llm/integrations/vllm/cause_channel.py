@@ -37,6 +37,7 @@ SEND_BUFFER = 1 << 20  # bytes a receiver may fall behind before lines wait in t
 MAX_PENDING = 1 << 20  # bytes kept per receiver while its socket is full; more are lost (counted)
 MAX_LINE = 1 << 16  # a longer line is garbage: dropped with what is buffered
 RESCAN_S = 5.0  # a sender looks for new receivers at most this often, only when it sends
+OWNER = "owner"  # in the folder: the pid of the process that made it
 
 
 class CauseRecord(NamedTuple):
@@ -54,6 +55,8 @@ def folder(create: bool = False) -> Optional[str]:
     path = tempfile.mkdtemp(prefix="otel-llm-vllm-causes-")
     os.environ[ENV] = path  # the engine cores and API servers started from here inherit it
     owner = os.getpid()
+    with open(os.path.join(path, OWNER), "w") as file:
+        file.write(str(owner))
 
     def remove() -> None:
         if os.getpid() == owner:  # not in a forked child
@@ -61,6 +64,20 @@ def folder(create: bool = False) -> Optional[str]:
 
     atexit.register(remove)
     return path
+
+
+def maker_alive(path: str) -> bool:
+    """The process that made the folder ``path`` runs: the folder is the serve's, not one left in
+    an environment by a serve that has ended."""
+    try:
+        with open(os.path.join(path, OWNER)) as file:
+            pid = int(file.read())
+        os.kill(pid, 0)
+    except PermissionError:  # it runs, as another user
+        return True
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 def encode(record: CauseRecord) -> bytes:

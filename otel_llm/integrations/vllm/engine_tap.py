@@ -6,11 +6,17 @@ What the engine core pays, and where:
 
 - its busy loop, per request added: one ``deque.append`` of vLLM's ``Request`` object (a wrapper
   of ``EngineCore.add_request``); nothing is read there;
-- its output thread, per output message: the bytes vLLM has just encoded for its frontend
-  (``EngineCoreProc._send_msg_tracking_payload``) copied into one frame, the requests added since
-  (their id, arrival time, prompt length, ``max_tokens``, trace headers) read and written before
-  them, one non-blocking send; never an OpenTelemetry call, never an exception into vLLM.
+- its busy loop, per abort (``EngineCore.abort_requests``: a client gone, a stop string the
+  frontend found, an explicit abort): the ids the scheduler still had unfinished, written at once
+  with their time, after the requests added before them (the output thread may be idle: no
+  output would carry them); vLLM sends its frontend nothing for such a request;
+- its output thread, at its start: who it is (engine index, served model, ``max_model_len``),
+  said first on every connection; per output message: the bytes vLLM has just encoded for its
+  frontend (``EngineCoreProc._send_msg_tracking_payload``) copied into one frame, the requests added
+  since (their id, arrival time, prompt length, ``max_tokens``, trace headers) read and written
+  before them, one non-blocking send; never an OpenTelemetry call, never an exception into vLLM.
 
+Nothing is sent before the output thread has started, nor after the engine core said goodbye.
 Attached by structure (:func:`shape_problem`), whatever vLLM's version; where a check fails, one
 warning names it and nothing is wrapped.
 """
@@ -21,6 +27,7 @@ import collections
 import inspect
 import logging
 import threading
+import time
 from typing import Any, Callable, Optional
 
 from otel_llm.integrations.vllm import stream_channel
@@ -41,6 +48,10 @@ def _warn_once(what: str, message: str) -> None:
         _log.warning("otel-llm engine-core stream: %s", message)
 
 
+def _params(function: Any) -> list[str]:
+    return list(inspect.signature(function).parameters) if callable(function) else []
+
+
 def shape_problem() -> Optional[str]:
     """Why the stream cannot be handed over from this vLLM's engine core, or None."""
     try:
@@ -52,14 +63,14 @@ def shape_problem() -> Optional[str]:
     missing += [f for f in OUTPUT_ITEM_FIELDS if f not in getattr(EngineCoreOutput, "__struct_fields__", ())]
     if missing:
         return f"EngineCoreOutputs / EngineCoreOutput have no {', '.join(missing)}"
-    add = getattr(EngineCore, "add_request", None)
-    if add is None or list(inspect.signature(add).parameters)[:2] != ["self", "request"]:
+    if _params(getattr(EngineCore, "add_request", None))[:2] != ["self", "request"]:
         return "EngineCore.add_request(self, request, ...) not found"
+    if _params(getattr(EngineCore, "abort_requests", None))[:2] != ["self", "request_ids"]:
+        return "EngineCore.abort_requests(self, request_ids) not found"
+    if _params(getattr(EngineCoreProc, "process_output_sockets", None))[-1:] != ["engine_index"]:
+        return "EngineCoreProc.process_output_sockets(self, ..., engine_index), its output thread, not found"
     send = inspect.getattr_static(EngineCoreProc, "_send_msg_tracking_payload", None)
-    if not isinstance(send, staticmethod) or list(inspect.signature(send.__func__).parameters) != [
-        "socket",
-        "buffers",
-    ]:
+    if not isinstance(send, staticmethod) or _params(send.__func__) != ["socket", "buffers"]:
         return "EngineCoreProc._send_msg_tracking_payload(socket, buffers), a staticmethod, not found"
     if not callable(getattr(EngineCore, "shutdown", None)):
         return "EngineCore.shutdown not found"
@@ -67,24 +78,36 @@ def shape_problem() -> Optional[str]:
 
 
 class _Tap:
-    """The output thread's side: frames to the consumer (a lock: ``bye`` comes from elsewhere)."""
+    """Frames to the consumer, from the output thread and, for aborts, the busy loop (a lock)."""
 
     def __init__(self, folder: str) -> None:
         self.sender = stream_channel.Sender(folder)
-        self.hello: Optional[bytes] = None
+        self.hello: Optional[bytes] = None  # said first on each connection; None until the output thread starts
         self.lock = threading.Lock()
-        self.lost_requests = 0
+        self.closed = False  # the engine core said goodbye: nothing more is sent
+        self.lost_requests = 0  # the busy loop's count of requests it could not keep (only it writes it)
+        self._lost_told = 0  # the part of it already written
 
     def forward(self, buffers: Any) -> None:
+        """The output thread: one output message as vLLM encoded it."""
         with self.lock:
-            connected = self.sender.connected
-            data = self._requests() + stream_channel.outputs_frame(buffers)
-            if not connected and self.hello is not None:
-                data = self.hello + data  # a new connection: the consumer learns who we are first
-            self.sender.send(data)
+            self._send(stream_channel.outputs_frame(buffers))
+
+    def aborted(self, request_ids: list[str], at: float) -> None:
+        """The busy loop: requests the scheduler finished as aborted, at ``at`` (its monotonic clock)."""
+        with self.lock:
+            self._send(stream_channel.json_frame(stream_channel.ABORTED, [at, request_ids]))
+
+    def _send(self, frame: bytes) -> None:
+        if self.closed or self.hello is None:
+            return
+        data = self._requests() + frame
+        if not self.sender.connected:
+            data = self.hello + data  # a new connection: the consumer learns who we are first
+        self.sender.send(data)
 
     def _requests(self) -> bytes:
-        rows = []
+        rows: list[list[Any]] = []
         while _added:
             request = _added.popleft()
             params = getattr(request, "sampling_params", None)
@@ -99,16 +122,18 @@ class _Tap:
                     dict(headers) if headers else None,
                 ]
             )
-        if self.lost_requests:
-            rows.append(["lost", self.lost_requests])
-            self.lost_requests = 0
+        lost = self.lost_requests - self._lost_told
+        if lost:
+            rows.append(["lost", lost])
+            self._lost_told += lost
         return stream_channel.json_frame(stream_channel.REQUESTS, rows) if rows else b""
 
     def bye(self) -> None:
         with self.lock:
-            if self.sender.connected:
+            if self.sender.connected and not self.closed:
                 self.sender.send(stream_channel.frame(stream_channel.BYE, b""))
             self.sender.close()
+            self.closed = True
 
 
 def install(folder: str) -> bool:
@@ -123,21 +148,36 @@ def install(folder: str) -> bool:
     from vllm.v1.engine.core import EngineCore, EngineCoreProc
 
     tap = _state["tap"] = _Tap(folder)
-    add, send, shutdown = (
+    add, abort, output_thread, send, shutdown = (
         EngineCore.add_request,
+        EngineCore.abort_requests,
+        EngineCoreProc.process_output_sockets,
         EngineCoreProc._send_msg_tracking_payload,
         EngineCore.shutdown,
     )
 
     def add_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
-        result = add(self, request, *args, **kwargs)
-        if tap.hello is None:
-            _hello(tap, self)
+        # Kept before vLLM adds it: an abort inside (``abort_immediately``) then follows its row.
         if len(_added) < MAX_WAITING_REQUESTS:
             _added.append(request)
         else:
             tap.lost_requests += 1
+        return add(self, request, *args, **kwargs)
+
+    def abort_requests(self: Any, request_ids: Any, *args: Any, **kwargs: Any) -> Any:
+        live = _unfinished(self, request_ids)
+        result = abort(self, request_ids, *args, **kwargs)
+        if live:
+            try:
+                tap.aborted(live, time.monotonic())
+            except Exception as exc:  # noqa: BLE001 - never into vLLM's busy loop
+                _warn_once("abort", f"handing an abort over failed ({exc!r}); what follows is still tried")
         return result
+
+    def process_output_sockets(self: Any, *args: Any, **kwargs: Any) -> Any:
+        engine_index = kwargs["engine_index"] if "engine_index" in kwargs else args[-1]
+        tap.hello = _hello(self, engine_index)
+        return output_thread(self, *args, **kwargs)
 
     def send_msg_tracking_payload(socket: Any, buffers: Any) -> Any:
         tracker = send(socket, buffers)
@@ -155,19 +195,40 @@ def install(folder: str) -> bool:
         return shutdown(self, *args, **kwargs)
 
     _replace(EngineCore, "add_request", add_request)
+    _replace(EngineCore, "abort_requests", abort_requests)
+    _replace(EngineCoreProc, "process_output_sockets", process_output_sockets)
     _replace(EngineCoreProc, "_send_msg_tracking_payload", staticmethod(send_msg_tracking_payload))
     _replace(EngineCore, "shutdown", shutdown_core)
     return True
 
 
-def _hello(tap: _Tap, core: Any) -> None:
+def _unfinished(core: Any, request_ids: Any) -> list[str]:
+    """The ids among ``request_ids`` that the scheduler has and has not finished: those an abort
+    ends (one for a request already finished, or never added, changes nothing)."""
+    ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
     try:
-        model = core.vllm_config.model_config.served_model_name
-        index = getattr(core, "engine_index", 0)
-        tap.hello = stream_channel.json_frame(stream_channel.HELLO, {"engine": int(index), "model": str(model)})
-    except Exception as exc:  # noqa: BLE001 - never into vLLM's busy loop
-        tap.hello = stream_channel.json_frame(stream_channel.HELLO, {"engine": 0, "model": ""})
-        _warn_once("hello", f"reading the engine's index and model name failed ({exc!r})")
+        requests = core.scheduler.requests
+        return [rid for rid in ids if (r := requests.get(rid)) is not None and not r.is_finished()]
+    except Exception as exc:  # noqa: BLE001 - never into vLLM's busy loop: every id, the consumer sorts them
+        _warn_once("unfinished", f"reading which aborted requests were unfinished failed ({exc!r})")
+        return [str(rid) for rid in ids]
+
+
+def _hello(core: Any, engine_index: Any) -> bytes:
+    """Who this engine core is: its index, served model name and ``max_model_len``."""
+    hello: dict[str, Any] = {"engine": 0, "model": "", "max_model_len": None}
+    try:
+        model_config = core.vllm_config.model_config
+        served = model_config.served_model_name
+        max_len = getattr(model_config, "max_model_len", None)
+        hello.update(
+            engine=int(engine_index),
+            model=str(served[0] if isinstance(served, (list, tuple)) and served else served),
+            max_model_len=max_len if isinstance(max_len, int) and max_len >= 1 else None,
+        )
+    except Exception as exc:  # noqa: BLE001 - never into vLLM's output thread
+        _warn_once("hello", f"reading the engine's index, model name and length failed ({exc!r})")
+    return stream_channel.json_frame(stream_channel.HELLO, hello)
 
 
 def _replace(owner: type, name: str, wrapper: Callable[..., Any]) -> None:

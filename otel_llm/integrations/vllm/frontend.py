@@ -13,11 +13,10 @@ hand their stream over (:mod:`.engine_tap`). The user's settings are the Python 
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 from typing import Any, Mapping
 
-from otel_llm.integrations.vllm.cause_channel import folder
+from otel_llm.integrations.vllm.cause_channel import ENV, folder, maker_alive
 
 _log = logging.getLogger(__name__)
 
@@ -41,13 +40,15 @@ def start(environ: Mapping[str, str] = os.environ) -> bool:
         return False
     if _started:
         return True
-    made_here = folder() is None
+    inherited = folder()
+    if inherited is not None and not maker_alive(inherited):
+        os.environ.pop(ENV)  # left in this environment by a serve that has ended: not ours
+        inherited = None
     path = folder(create=True)  # made by the first process: the processes it starts inherit it
     assert path is not None
-    # vllm serve's own process makes the folder; the engine cores it starts inherit it. One with no
-    # multiprocessing parent is vllm serve's too, even with the variable left over in its
-    # environment.
-    if made_here or multiprocessing.parent_process() is None:
+    # vllm serve's own process makes the folder; every process it starts, however (its engine
+    # cores, Ray's workers for data parallelism), inherits it while vllm serve runs.
+    if inherited is None:
         from otel_llm.integrations.vllm.stream_consumer import StreamConsumer
 
         _started.append(StreamConsumer(path).start())

@@ -56,8 +56,7 @@ def make_plan(vllm_config: Any, engine_indexes: list[int], reader: FieldReader, 
     handle = handle if handle is not None else shared_handle.current()
     own_config = None
     if handle is None:
-        engine_defaults = {"model_name": served, "max_model_len": max_len, "provider_name": PROVIDER_NAME}
-        own_config = TelemetryConfig.from_env(defaults={k: v for k, v in engine_defaults.items() if v is not None})
+        own_config = engine_config(served, max_len)
     naming = (own_config or handle.config).naming
     # Built before the providers, which need their Views.
     series = _series(vllm_config, engine_indexes, naming)
@@ -88,6 +87,14 @@ def make_plan(vllm_config: Any, engine_indexes: list[int], reader: FieldReader, 
         # is an internal sibling under the same parent, not a second llm_request.
         config = dataclasses.replace(config, span_name=SIBLING_SPAN_NAME, span_kind="internal")
     return Plan(config, handle, served, series, replacing)
+
+
+def engine_config(served: Optional[str], max_len: Optional[int]) -> TelemetryConfig:
+    """The settings of an engine's telemetry, whichever process records it: the environment over
+    what vLLM says of its engine (the served model's name, ``max_model_len``, which bounds the
+    request token buckets) over our defaults, with ``gen_ai.provider.name`` vLLM."""
+    defaults = {"model_name": served, "max_model_len": max_len, "provider_name": PROVIDER_NAME}
+    return TelemetryConfig.from_env(defaults={k: v for k, v in defaults.items() if v is not None})
 
 
 def _model_label(base: TelemetryConfig, served: Optional[str]) -> str:

@@ -11,7 +11,9 @@ A frame: one kind byte, a 4-byte big-endian length, the payload. Kinds: :data:`H
 the engine's index and served model name), :data:`REQUESTS` (JSON: what the scheduler was given
 per request), :data:`OUTPUTS` (vLLM's own msgpack encoding of ``EngineCoreOutputs``, as the
 engine core sent it to its frontend: a count of buffers, each length-prefixed), :data:`LOST`
-(JSON: frames dropped), :data:`BYE` (the engine core shut down cleanly).
+(JSON: frames dropped), :data:`ABORTED` (JSON: ``[time, [request ids]]``, requests the engine core
+aborted: its frontend's word, which vLLM answers with no output), :data:`BYE` (the engine core
+shut down cleanly).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import struct
 from typing import Any, Iterator, Optional, Sequence
 
 SOCKET_NAME = "engine-stream"  # not *.sock: the cause channel's senders connect to every one of those
-HELLO, REQUESTS, OUTPUTS, LOST, BYE = b"H", b"R", b"O", b"L", b"B"
+HELLO, REQUESTS, OUTPUTS, LOST, ABORTED, BYE = b"H", b"R", b"O", b"L", b"A", b"B"
 MAX_PENDING = 8 << 20  # bytes kept while the consumer's socket is full; more frames are lost
 MAX_FRAME = 64 << 20  # a longer frame is garbage: the connection is dropped
 SEND_BUFFER = 4 << 20

@@ -6,10 +6,16 @@ It listens on the serve's stream channel (:mod:`.stream_channel`) and on its cau
 frontend. Per engine: one ``EngineTelemetry`` (label ``engine``: its index) fed by a
 :class:`.StreamTranslator`, on providers of its own that ``setup_telemetry`` builds from the
 environment, with a ``service.instance.id`` of its own (the serve's, ``-engine-N``), all served on
-one Prometheus endpoint. An engine core that stops cleanly says so; one whose connection ends
-otherwise died: its requests in flight end, marked ``engine_dead``. When the serve exits, those
-still in flight end marked ``shutdown`` and everything is flushed. Never an exception into vLLM: a
-failure is logged once and the consumer stops, vLLM serves on.
+one Prometheus endpoint, with the settings the engine core tells at its hello (its served model's
+name and ``max_model_len``) under the environment's, resolved as the stat-logger path resolves
+them (:func:`.plan.engine_config`). An engine core that stops cleanly says so; one whose
+connection ends otherwise died: its requests in flight end, marked ``engine_dead``. When the serve
+exits, those still in flight end marked ``shutdown`` and everything is flushed.
+
+Never an exception into vLLM, and a failure costs only what failed: a frame that cannot be decoded
+or translated is skipped and counted (``engine_stream_unreadable``, said once); a connection whose
+framing is broken is dropped (its engine core connects again, its requests go on); a failure of the
+thread itself is logged once and the consumer stops, vLLM serves on.
 """
 
 from __future__ import annotations
@@ -23,12 +29,14 @@ import select
 import signal
 import socket
 import threading
+import time
 from typing import Any, Optional
 
 from otel_llm.catalogue import drops
-from otel_llm.config.settings import TelemetryConfig
 from otel_llm.export import resource as resources
 from otel_llm.integrations.vllm import cause_channel, stream_channel, stream_translate
+from otel_llm.integrations.vllm.fields import FieldReader
+from otel_llm.integrations.vllm.plan import engine_config
 from otel_llm.integrations.vllm.stream_translate import StreamTranslator
 from otel_llm.summary import ENGINE_DEAD, SHUTDOWN
 
@@ -44,10 +52,14 @@ POLL_S = 0.5  # how often the thread looks whether it should stop, when nothing 
 # waits; meanwhile the engine core's socket buffer holds what it sends (SEND_BUFFER asked for).
 READ_GAP_S = 0.05
 READ_SIZE = 1 << 20
+# An abort ends its request once no output made before it can still be on its way: at the first
+# output made after it, or this long after it (an idle engine core sends nothing more).
+ABORT_SETTLE_S = 0.5
 
 
 class _Engine:
-    def __init__(self, telemetry: Any, translator: StreamTranslator) -> None:
+    def __init__(self, index: int, telemetry: Any, translator: StreamTranslator) -> None:
+        self.index = index
         self.telemetry = telemetry
         self.translator = translator
         self.clean = False  # the engine core said it shut down
@@ -66,12 +78,15 @@ class StreamConsumer:
         self._cause_book: dict[tuple[str, int], cause_channel.CauseRecord] = {}
         self._uncredited: list[tuple[cause_channel.CauseRecord, int]] = []  # with the drains it waited
         self._connections: dict[socket.socket, stream_channel.Connection] = {}
-        self._engines: dict[socket.socket, _Engine] = {}
+        self._engines: dict[socket.socket, _Engine] = {}  # by connection, from its hello
+        self._by_index: dict[int, _Engine] = {}  # an engine core's, across its connections until it ends
         self._lost_before_hello: dict[socket.socket, int] = {}  # an engine core's losses told before its hello
         self._telemetry_by_index: dict[int, Any] = {}
         self._given: Any = handle
         self._handles: list[Any] = []  # built here, one per engine; the first owns the Prometheus endpoint
         self._decoder: Any = None
+        self._reader = FieldReader(_log)
+        self.unreadable = 0  # frames skipped: they could not be decoded or translated
         self._stop = threading.Event()
         self._lock = threading.Lock()  # the thread's work and close() never interleave
         self._thread = threading.Thread(target=self._run, name="otel-llm engine stream", daemon=True)
@@ -105,6 +120,7 @@ class StreamConsumer:
                             self._connections[connection] = stream_channel.Connection(connection)
                         else:
                             self._read(peer)
+                    self._settle(time.monotonic() - ABORT_SETTLE_S)
                 if ready:
                     self._stop.wait(READ_GAP_S)
         except Exception:  # noqa: BLE001 - never into vLLM: the consumer stops, vLLM serves on
@@ -130,19 +146,42 @@ class StreamConsumer:
                 break
             try:
                 for kind, payload in self._connections[peer].frames(chunk):
-                    self._frame(peer, kind, payload)
-            except ValueError as exc:
-                _log.warning("otel-llm engine stream: a connection sent garbage (%s); it is dropped", exc)
-                break
+                    try:
+                        self._frame(peer, kind, payload)
+                    except Exception as exc:  # noqa: BLE001 - this frame only: the rest goes on
+                        self._unreadable(peer, kind, exc)
+            except ValueError as exc:  # its framing is broken: nothing after can be trusted
+                _log.warning(
+                    "otel-llm engine stream: a connection sent garbage (%s); it is dropped, its engine core "
+                    "connects again",
+                    exc,
+                )
+                self._forget(peer)
+                return
             if len(chunk) < READ_SIZE:
                 return
         self._ended(peer)
+
+    def _unreadable(self, peer: socket.socket, kind: bytes, exc: Exception) -> None:
+        self.unreadable += 1
+        engine = self._engines.get(peer)
+        if engine is not None:
+            engine.telemetry.count_dropped(drops.ENGINE_STREAM_UNREADABLE, 1)
+        if self.unreadable == 1:
+            _log.warning(
+                "otel-llm engine stream: a %r frame of engine %s could not be decoded or translated (%r); it is "
+                "skipped and counted on otel_llm.dropped_events (reason %s), and so is any other (said once)",
+                kind,
+                engine.index if engine is not None else "?",
+                exc,
+                drops.ENGINE_STREAM_UNREADABLE,
+            )
 
     def _frame(self, peer: socket.socket, kind: bytes, payload: bytes) -> None:
         engine = self._engines.get(peer)
         if kind == stream_channel.HELLO:
             hello = json.loads(payload)
-            engine = self._engines[peer] = self._engine(int(hello["engine"]), str(hello["model"]))
+            engine = self._engines[peer] = self._engine(hello)
             lost = self._lost_before_hello.pop(peer, 0)
             if lost:
                 engine.telemetry.count_dropped(drops.ENGINE_STREAM_LOST, lost)
@@ -157,6 +196,9 @@ class StreamConsumer:
                 self._lost_before_hello[peer] = self._lost_before_hello.get(peer, 0) + int(json.loads(payload))
         elif kind == stream_channel.OUTPUTS:
             engine.translator.outputs(self._decode(payload))
+        elif kind == stream_channel.ABORTED:
+            at, request_ids = json.loads(payload)
+            engine.translator.aborted(float(at), [str(rid) for rid in request_ids])
         elif kind == stream_channel.REQUESTS:
             engine.translator.given(json.loads(payload))
             if engine.translator.lost_requests:
@@ -170,7 +212,7 @@ class StreamConsumer:
     def _decode(self, payload: bytes) -> Any:
         buffers = stream_channel.split_outputs(payload)
         if self._decoder is None:
-            slim = stream_translate.decoder()
+            slim = stream_translate.decoder(self._reader)
             self._decoder = lambda buffers: slim(buffers[0])
         try:
             return self._decoder(buffers)
@@ -201,7 +243,7 @@ class StreamConsumer:
         for record, tries in records:
             if (record.victim, record.ordinal) not in book:
                 continue
-            for engine in self._engines.values():  # its victim's engine, where its causes are too
+            for engine in self._by_index.values():  # its victim's engine, where its causes are too
                 translator = engine.translator
                 if translator.knows(record.victim) or any(translator.knows(c) for c in record.causes):
                     engine.telemetry.credit_causes(record.victim, record.ordinal, record.causes)
@@ -210,7 +252,7 @@ class StreamConsumer:
                 if tries < UNCREDITED_TRIES and len(self._uncredited) < MAX_UNCREDITED:
                     self._uncredited.append((record, tries + 1))
         if self._causes.lost:
-            for engine in self._engines.values():
+            for engine in self._by_index.values():
                 engine.telemetry.count_dropped(drops.CAUSE_RECORDS_LOST, self._causes.lost)
                 break
             self._causes.lost = 0
@@ -218,20 +260,30 @@ class StreamConsumer:
     def _cause_of(self, victim: str, ordinal: int) -> Optional[cause_channel.CauseRecord]:
         return self._cause_book.pop((victim, ordinal), None)
 
-    def _engine(self, index: int, model: str) -> _Engine:
+    def _engine(self, hello: dict[str, Any]) -> _Engine:
+        """The engine a hello names: the one already known by its index (a connection made again:
+        its requests go on), else a new one."""
+        index = int(hello["engine"])
+        engine = self._by_index.get(index)
+        if engine is not None:
+            engine.clean = False
+            return engine
         telemetry = self._telemetry_by_index.get(index)
         if telemetry is None:
-            telemetry = self._telemetry_by_index[index] = self._new_telemetry(index, model)
-        return _Engine(telemetry, StreamTranslator(_publisher(telemetry), self._cause_of, self._drain_causes))
+            telemetry = self._telemetry_by_index[index] = self._new_telemetry(index, hello)
+        translator = StreamTranslator(_publisher(telemetry), self._cause_of, self._drain_causes)
+        engine = self._by_index[index] = _Engine(index, telemetry, translator)
+        return engine
 
-    def _new_telemetry(self, index: int, model: str) -> Any:
+    def _new_telemetry(self, index: int, hello: dict[str, Any]) -> Any:
         """Engine ``index``'s telemetry. Its identity is the engine core's, whatever the
         data-parallel size: an engine core of a non-MoE model is told it is the only one."""
         if self._given is not None:
             return self._given.telemetry if index == 0 else self._given.new_telemetry(engine=str(index))
         from otel_llm.export.setup import setup_telemetry, without_prometheus
 
-        config = TelemetryConfig.from_env(defaults={"model_name": model} if model else None)
+        max_len = hello.get("max_model_len")
+        config = engine_config(str(hello.get("model") or "") or None, int(max_len) if max_len else None)
         config = resources.part_of_process(dataclasses.replace(config, engine=str(index)), f"engine-{index}")
         serve_on = self._handles[0].prometheus if self._handles else None
         if self._handles and serve_on is None:
@@ -251,10 +303,20 @@ class StreamConsumer:
         return self._engines.pop(peer, None)
 
     def _ended(self, peer: socket.socket) -> None:
-        """A connection ended: its engine core stopped (said so) or died."""
+        """A connection ended: its engine core stopped (said so) or died. Its aborted requests end
+        as aborted, the rest in flight as cut short."""
         engine = self._forget(peer)
-        if engine is not None and engine.translator.drain():
+        if engine is None:
+            return
+        self._by_index.pop(engine.index, None)
+        engine.translator.settle(float("inf"))
+        if engine.translator.drain():
             engine.telemetry.end_in_flight(SHUTDOWN if engine.clean else ENGINE_DEAD)
+
+    def _settle(self, until: float) -> None:
+        for engine in self._by_index.values():
+            if engine.translator.settle(until):
+                engine.telemetry.flush()  # an engine core gone idle sends no step that would apply them
 
     # -- at exit ------------------------------------------------------------------------
 
@@ -265,6 +327,7 @@ class StreamConsumer:
         with self._lock:
             for peer in list(self._connections):
                 self._read_rest(peer)
+            self._settle(float("inf"))
             for telemetry in self._telemetry_by_index.values():
                 telemetry.end_in_flight(SHUTDOWN)
             for handle in reversed(self._handles):  # the Prometheus endpoint's owner last

@@ -8,8 +8,15 @@ output is known; QUEUED / SCHEDULED / PREEMPTED at the timestamps vLLM's schedul
 before the arrival taken: the two clocks are read apart), a preemption with its cause when the
 engine core reported one (:mod:`.engine_core`); FIRST_TOKEN / TOKENS at the step's timestamp;
 FINISHED with vLLM's finish reason. A request whose given row was lost arrives at its first
-engine-core event. Per step, ``SchedulerStats`` as ``StepStats``. A request the engine core lists as
-finished without a final output (aborted by its frontend) finishes ``abort``.
+engine-core event. Per step, ``SchedulerStats`` as ``StepStats``.
+
+A request its frontend ends (a client gone, a stop string its detokenizer found, an explicit
+abort) gets no output: the engine core's tap tells its abort at once, with its time
+(:meth:`StreamTranslator.aborted`). Outputs made before it may still be on their way (vLLM's output
+thread sends after its busy loop), so it finishes ``abort`` when an output made after the abort
+comes, or when :meth:`StreamTranslator.settle` says its time is long past (an idle engine core
+sends nothing more). A request the engine core lists as finished without a final output (vLLM's
+data-parallel balancing does) finishes ``abort`` too.
 """
 
 from __future__ import annotations
@@ -20,24 +27,37 @@ from typing import Any, Callable, Optional
 
 from otel_llm.events import CAUSE_UNKNOWN, EventType, RequestEvent, StepStats
 from otel_llm.integrations.vllm.cause_channel import CauseRecord
-from otel_llm.integrations.vllm.translate import SCHEDULER_FIELDS
+from otel_llm.integrations.vllm.enums import PREEMPTED as _PREEMPTED
+from otel_llm.integrations.vllm.enums import QUEUED as _QUEUED
+from otel_llm.integrations.vllm.enums import SCHEDULED as _SCHEDULED
+from otel_llm.integrations.vllm.enums import finish_reason
+from otel_llm.integrations.vllm.fields import FieldReader
+from otel_llm.integrations.vllm.translate import DEFAULT_PREEMPTION_REASON, SCHEDULER_FIELDS
 
-PREEMPTED_REASON = "kv_cache_full"
 MAX_KNOWN = 65_536  # requests given and not yet seen finishing; the oldest forgotten past it
-_QUEUED, _SCHEDULED, _PREEMPTED = 1, 2, 3  # vLLM's EngineCoreEventType
-_FINISH = {0: "stop", 1: "length", 2: "abort", 3: "error", 4: "stop"}  # vLLM's FinishReason: repetition stops
 _RUNNING, _WAITING, _USAGE = (f.vllm for f in SCHEDULER_FIELDS)  # SchedulerStats' fields
 _TOKENS = EventType.TOKENS  # a module global: reading a member through its Enum class costs more, per output
 
 
-def decoder() -> Callable[[Any], Any]:
+def decoder(reader: FieldReader) -> Callable[[Any], Any]:
     """A decoder of vLLM's encoded ``EngineCoreOutputs`` (its first buffer) into what
     :meth:`StreamTranslator.outputs` reads: the fields translated, typed; every other field (the
     tensors' out-of-band buffers not looked up) as msgpack has it, mostly None. Each struct's
     fields, their order and its layout (array or map) are vLLM's own classes'; its stats
-    (dataclasses) are maps, read by name."""
+    (dataclasses) are maps, read by name: a ``SchedulerStats`` field this vLLM does not have is
+    said once through ``reader``, as the stat-logger path says it (its gauge stays 0)."""
+    import dataclasses
+
     import msgspec
     from vllm.v1.engine import EngineCoreEvent, EngineCoreOutput, EngineCoreOutputs
+    from vllm.v1.metrics.stats import SchedulerStats
+
+    present = {f.name for f in dataclasses.fields(SchedulerStats)}
+    for f in SCHEDULER_FIELDS:
+        if f.vllm not in present:
+            reader.warn_once(
+                "SchedulerStats", f.vllm, f"is missing (vLLM changed its stats?): {f.metric} is not recorded"
+            )
 
     def like(cls: Any, typed: dict[str, Any]) -> Any:
         fields = [(name, typed.get(name, Any), None) for name in cls.__struct_fields__]
@@ -101,6 +121,7 @@ class StreamTranslator:
         self._cause_of = cause_of
         self._drain_causes = drain_causes
         self._running: collections.OrderedDict[str, _Running] = collections.OrderedDict()
+        self._aborts: dict[str, float] = {}  # request id -> when the engine core aborted it, not yet ended
         self.lost_requests = 0  # requests the engine core could not tell us of (its queue was full)
 
     def knows(self, request_id: str) -> bool:
@@ -162,12 +183,43 @@ class StreamTranslator:
                     self._drain_causes()
                     drained = True
                 self._output(out, running, now, events)
-        if eco.finished_requests and not drained:
+        if (eco.finished_requests or self._aborts) and not drained:
             self._drain_causes()
         for rid in eco.finished_requests or ():
             if self._running.pop(str(rid), None) is not None:  # ended with no final output: aborted
                 events.append(RequestEvent(EventType.FINISHED, str(rid), now, finish_reason="abort"))
+        if self._aborts:
+            self._end_aborted(now, events)
         self._publish(events, self._step(eco.scheduler_stats, now))
+
+    def aborted(self, at: float, request_ids: list[str]) -> None:
+        """The engine core's ABORTED frame: these requests were aborted at ``at`` (its clock);
+        each ends once the outputs made before ``at`` are in."""
+        aborts = self._aborts
+        for rid in request_ids:
+            if len(aborts) >= MAX_KNOWN:
+                aborts.pop(next(iter(aborts)))
+            aborts[str(rid)] = float(at)
+
+    def settle(self, until: float) -> bool:
+        """End the requests aborted at ``until`` or before: no output made before their abort is
+        still on its way (the consumer's judgement, by how long ago that was). True when one ended."""
+        if not any(at <= until for at in self._aborts.values()):
+            return False
+        self._drain_causes()
+        events: list[RequestEvent] = []
+        self._end_aborted(until, events)
+        self._publish(events, None)
+        return bool(events)
+
+    def _end_aborted(self, until: float, events: list[RequestEvent]) -> None:
+        for rid, at in [(rid, at) for rid, at in self._aborts.items() if at <= until]:
+            del self._aborts[rid]
+            running = self._running.pop(rid, None)
+            if running is not None:  # else finished by an output meanwhile, or never given
+                events.append(
+                    RequestEvent(EventType.FINISHED, running.rid, max(at, running.arrived), finish_reason="abort")
+                )
 
     def _output(self, out: Any, running: Optional[_Running], now: float, events: list[RequestEvent]) -> None:
         """One request's output, whatever it holds."""
@@ -194,7 +246,7 @@ class StreamTranslator:
             running.tokens += new
             events.append(RequestEvent(_TOKENS, rid, step_at, num_tokens=new))
         if out.finish_reason is not None:
-            reason = _FINISH.get(int(out.finish_reason), "stop")
+            reason = finish_reason(out.finish_reason)
             events.append(RequestEvent(EventType.FINISHED, rid, step_at, finish_reason=reason))
             del self._running[rid]
 
@@ -215,7 +267,12 @@ class StreamTranslator:
         kind = record.kind if record is not None else CAUSE_UNKNOWN
         causes = record.causes if record is not None else ()
         return RequestEvent(
-            EventType.PREEMPTED, rid, at, reason=PREEMPTED_REASON, causes=causes, cause_kind=kind if not causes else ""
+            EventType.PREEMPTED,
+            rid,
+            at,
+            reason=DEFAULT_PREEMPTION_REASON,
+            causes=causes,
+            cause_kind=kind if not causes else "",
         )
 
     @staticmethod

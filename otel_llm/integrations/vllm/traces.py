@@ -10,9 +10,9 @@ import collections
 import time
 from typing import Any, Iterable, Optional
 
+from otel_llm.integrations.vllm.enums import PREEMPTED, SCHEDULED
+
 TRACE_ATTR = "_otel_llm_trace"
-# vLLM's EngineCoreEventType values (IntEnum): QUEUED=1, SCHEDULED=2, PREEMPTED=3.
-QUEUED, SCHEDULED, PREEMPTED = 1, 2, 3
 MAX_ENDED = 4096
 MAX_IN_FLIGHT = 65_536  # requests whose causes can be told; the oldest are let go beyond
 
