@@ -245,6 +245,7 @@ class StepTranslator:
             num_preemptions=len(preemptions),
             preempted_time=trace.preempted_time(finish),
             preemptions=preemptions,
+            resumptions=trace.resumed_at,
             preemption_causes=causes,
             preemptions_by_cause=_by_kind(causes),
             num_preemptions_caused=trace.caused,
@@ -282,11 +283,13 @@ class StepTranslator:
         num_preemptions = r.number(f, "num_preemptions", "vllm:request_num_preemptions")
         arrival = finish_time - e2e if e2e is not None else None
         preemptions: tuple[tuple[float, int, str], ...] = ()
+        resumptions: tuple[float, ...] = ()
         causes: tuple[PreemptionCause, ...] = ()
         preempted_time = None
         ttft = None
         if deep is not None:
             preemptions = tuple((ts, 0, DEFAULT_PREEMPTION_REASON) for ts in deep.preempted_at)
+            resumptions = deep.resumed_at
             preempted_time = deep.preempted_time(finish_time)
             if deep.arrival_time is not None:
                 arrival = deep.arrival_time - offset
@@ -310,6 +313,7 @@ class StepTranslator:
             recomputed_tokens=0,
             cached_tokens=_int(getattr(f, "num_cached_tokens", 0)) or 0,
             preemptions=preemptions,
+            resumptions=resumptions,
             preemption_causes=causes,
             preemptions_by_cause=_by_kind(causes),
             num_preemptions_caused=deep.caused if deep is not None else 0,
