@@ -271,7 +271,7 @@ class StreamConsumer:
         telemetry = self._telemetry_by_index.get(index)
         if telemetry is None:
             telemetry = self._telemetry_by_index[index] = self._new_telemetry(index, hello)
-        translator = StreamTranslator(_publisher(telemetry), self._cause_of, self._drain_causes)
+        translator = StreamTranslator(_publisher(telemetry), self._cause_of, self._drain_causes, self._reader)
         engine = self._by_index[index] = _Engine(index, telemetry, translator)
         return engine
 
