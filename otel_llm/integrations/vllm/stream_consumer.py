@@ -283,7 +283,11 @@ class StreamConsumer:
         from otel_llm.export.setup import setup_telemetry, without_prometheus
 
         max_len = hello.get("max_model_len")
-        config = engine_config(str(hello.get("model") or "") or None, int(max_len) if max_len else None)
+        config = engine_config(
+            str(hello.get("model") or "") or None,
+            int(max_len) if max_len else None,
+            hello.get("custom_histogram_buckets") or {},
+        )
         config = resources.part_of_process(dataclasses.replace(config, engine=str(index)), f"engine-{index}")
         serve_on = self._handles[0].prometheus if self._handles else None
         if self._handles and serve_on is None:
