@@ -11,6 +11,7 @@ import queue
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -199,6 +200,28 @@ def test_demo_summary_matches_its_metrics_endpoint(tmp_path: Path) -> None:
     assert one(samples, "vllm:request_num_preemptions_caused_sum") == summary["preemptions"]
     evictors = parse_evictors(lines)
     assert len(evictors) == 5 and evictors[0].caused == max(e.caused for e in evictors)
+
+
+def test_demo_on_a_taken_port_says_so_in_one_line_and_gives_its_summary_without_serving() -> None:
+    with socket.socket() as taken:  # another process's endpoint, as far as the demo can tell
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        # --serve-seconds 300 beyond the timeout: a demo that waited to serve would fail here.
+        run = subprocess.run(
+            demo_command()
+            + ["--requests", "20", "--prometheus-port", str(port), "--serve-seconds", "300", "--no-progress"],
+            capture_output=True,
+            text=True,
+            timeout=READY_TIMEOUT,
+        )
+    assert run.returncode == 0, run.stderr
+    assert run.stderr.splitlines() == [
+        f"otel-llm demo: port 127.0.0.1:{port} is taken (Address already in use): this run serves no /metrics; "
+        "--prometheus-port 0 picks a free port"
+    ]
+    assert parse_summary(run.stdout.splitlines())["requests"] == 20
+    assert "serving" not in run.stdout
 
 
 def test_demo_names_the_worst_evictors_as_the_engine_recorded_them(
