@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, entry_points, version
 from typing import Callable, Mapping, Optional, TextIO
 
-from otel_llm.config.settings import TelemetryConfig, from_environment
+from otel_llm.config.settings import TelemetryConfig
+from otel_llm.export.settings_check import check_settings
 from otel_llm.version import __version__
 
 CONNECT_TIMEOUT_S = 2.0
@@ -162,13 +163,11 @@ def answers(endpoint: str) -> Optional[str]:
 def doctor(out: TextIO, environ: Optional[Mapping[str, str]] = None) -> int:
     environ = os.environ if environ is None else environ
     print(f"otel-llm doctor: otel-llm {__version__}, Python {platform.python_version()}", file=out)
-    try:
-        config = TelemetryConfig.from_env(environ)
-        for var in ("OTEL_LLM_VLLM_DEEP_HOOK", "OTEL_LLM_VLLM_METRICS"):
-            from_environment(var, environ)
-    except ValueError as exc:
-        print(f"bad setting: {exc}", file=out)
+    problem = check_settings(environ)
+    if problem is not None:
+        print(f"bad setting: {problem}", file=out)
         return 2
+    config = TelemetryConfig.from_env(environ)
 
     from otel_llm.integrations.vllm import package
 

@@ -80,14 +80,17 @@ def register() -> None:
     the engine-core stream's part of this process (:mod:`.frontend`); the deep hook when enabled;
     never raises into vLLM."""
     try:
+        from otel_llm.export.settings_check import check_settings, refused
         from otel_llm.integrations.vllm import frontend
 
+        # A bad setting leaves every part off, said once where the telemetry would start: by the
+        # stat logger, or here under the Rust frontend, which calls no stat logger.
+        if refused(_log, "vLLM plugin", "vLLM serves on") if frontend.rust_frontend() else check_settings():
+            return
         frontend.start()
         if enabled():
             folder(create=True)  # before the engine cores start: they inherit where to report causes
             install()
-    except ValueError as exc:  # a bad OTEL_LLM_VLLM_DEEP_HOOK: its name and the rule, one line
-        _log.error("otel-llm deep hook: not attached: %s", exc)
     except Exception:  # noqa: BLE001 - registration must not stop vLLM: the plain plugin stays
         _log.exception("otel-llm deep hook: registration failed; falling back")
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Optional
 
+from otel_llm.export.settings_check import refused
 from otel_llm.integrations.vllm import package
 from otel_llm.integrations.vllm.adapter import VllmAdapter
 
@@ -108,6 +109,8 @@ def _make_adding_class() -> type:
             self.engine_indexes = list(engine_indexes)
             self.vllm_config = vllm_config
             self._impl: Optional[VllmAdapter] = None
+            if refused(_log, "vLLM adapter", "vLLM serves on"):
+                return
             try:
                 # vLLM's StatLoggerManager builds its own Prometheus logger beside this class;
                 # replace mode's class builds it itself where it does not replace it.
