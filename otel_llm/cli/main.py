@@ -122,8 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run in the serving environment: the engines installed and their versions, each "
         "otel-llm part (vLLM's stat logger, deep hook, attribution, replace mode, Rust frontend; the "
         "transformers instrumentor) and whether it attaches there, and why not; the telemetry settings "
-        "as resolved from the environment, and whether the OTLP endpoint answers. Exit status 1 when "
-        "something asked for cannot attach, 2 for a bad setting.",
+        "as resolved from the environment, and whether the OTLP endpoints answer. Exit status 1 when "
+        "something asked for cannot attach or the metrics or traces go to an OTLP endpoint that does not "
+        "answer, 2 for a bad setting.",
     )
     doc.set_defaults(func=_doctor)
     return parser
