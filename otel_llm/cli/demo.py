@@ -88,6 +88,17 @@ def _otlp_configured() -> bool:
     )
 
 
+def where_traces_are() -> str:
+    """Where the trace ids the summary lists can be looked up (``--stack`` shows them itself)."""
+    if _otlp_configured():
+        endpoint = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+        return f"the trace ids above: the request spans went over OTLP to {endpoint or 'the default endpoint'}"
+    return (
+        "the trace ids above: this run exported no spans; `make demo-stack` shows them in a local Phoenix "
+        "(and each bucket in Prometheus), or OTEL_EXPORTER_OTLP_ENDPOINT=<your collector> sends them there"
+    )
+
+
 def demo(args: argparse.Namespace, stack: Optional[Stack] = None) -> int:
     """The demo; with ``stack`` (``--stack``), its telemetry goes to that Prometheus and Phoenix,
     and the drill-down from them follows the summary."""
@@ -166,7 +177,9 @@ def demo(args: argparse.Namespace, stack: Optional[Stack] = None) -> int:
                 progress.close()
             handle.force_flush()
             print_summary(args, config, engine, result, reader, traces)
-            if stack is not None:
+            if stack is None:
+                print(where_traces_are(), end="\n\n", flush=True)
+            else:
                 suffered, caused = (BY_KEY[key].name(config.naming) for key in HISTOGRAMS)
                 sections = [
                     (title, unit, drill_down(stack, histogram, requests, args.top, started))
