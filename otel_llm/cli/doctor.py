@@ -74,7 +74,7 @@ def vllm_parts(environ: Mapping[str, str]) -> list[Part]:
             "vLLM deep hook",
             _checked(deep_hook.shape_problem),
             deep,
-            f"per-preemption times ({deep_hook.ENV}=1)",
+            f"a span event per preemption, its time and cause (on unless {deep_hook.ENV}=0)",
         ),
         Part(
             "vLLM frontend part",
