@@ -225,7 +225,7 @@ class StepTranslator:
                         _told_unknown.append(True)
                         _log.warning(
                             "otel-llm: the causes of vLLM's preemptions are unknown without the deep hook "
-                            "(OTEL_LLM_VLLM_DEEP_HOOK=on, a vLLM it supports)"
+                            "(OTEL_LLM_VLLM_DEEP_HOOK not 0, a vLLM it attaches to)"
                         )
                     telemetry.record_finished(summary)
                     continue
