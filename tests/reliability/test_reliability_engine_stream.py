@@ -181,7 +181,8 @@ def test_flush_waits_for_the_backlog_or_gives_up_at_its_timeout(folder: str, mon
 def _read_until(peer: socket.socket, count: int) -> list[tuple[bytes, bytes]]:
     """``count`` frames, read blocking."""
     peer.setblocking(True)
-    connection, frames = Connection(peer), []
+    connection = Connection(peer)
+    frames: list[tuple[bytes, bytes]] = []
     while len(frames) < count:
         frames += list(connection.frames(peer.recv(1 << 16)))
     return frames
