@@ -6,7 +6,7 @@ SCHEDULED again on resume: the scheduler attaches them to the request's next out
 stream goes through vLLM's real ``OutputProcessor.process_outputs`` (which feeds the real
 ``IterationStats``) and then ``StatLoggerManager.record``, as ``AsyncLLM``'s output handler does.
 Timestamps are synthetic (engine clock ``T0 + step * DT``) so that every value is known.
-Used by the vLLM tests (tests/vllm) and the frontend benchmark (bench/vllm_record.py).
+Used by the vLLM tests (tests/vllm) and the frontend benchmark (bench/vllm/record.py).
 """
 
 from __future__ import annotations

