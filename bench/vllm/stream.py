@@ -57,6 +57,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from otel_llm.testing.vllm.stream import Shape
+
 from ..common import median, ratio, write_section
 
 BENCH = Path(__file__).resolve().parents[1]
@@ -66,8 +68,8 @@ SLICE = 24  # steps: the interleaving's grain (a multiple of the usual steps per
 STEP_S = 0.002  # engine clock per step: bench.vllm.rust's real engine steps about every 2 ms
 
 # bench.vllm.rust's load and engine arguments (otel_llm.testing.vllm.server: Load, KV_PRESSURE_ARGS)
-REQUESTS, MAX_TOKENS, MIN_PROMPT, MAX_PROMPT = 64, 96, 8, 64
-KV_BLOCKS, BLOCK_SIZE, MAX_NUM_SEQS = 12, 32, 16
+REQUESTS, MAX_TOKENS = 64, 96
+SHAPE = Shape(max_num_seqs=16, kv_blocks=12, block_size=32, prompt=(8, 64), max_tokens=(96, 96), step_s=STEP_S)
 
 # The otel server's settings in bench.vllm.rust, the span processor's timer out of the way: the
 # spans leave when the repetition's flush is timed.
@@ -94,143 +96,42 @@ class Step:
     outputs: int = 0
 
 
-@dataclass
-class _Request:
-    rid: str
-    prompt: int
-    traceparent: str
-    generated: int = 0
-    blocks: int = 0
-    preemptions: int = 0
-    events: list[tuple[int, float]] = field(default_factory=list)
-    prefilled: bool = False
-
-
 class Stream:
-    """The engine core's side: a seeded load played through a model of vLLM's scheduler."""
+    """The engine core's side: seeded loads played through a model of vLLM's scheduler."""
 
     def __init__(self, loads: int, seed: int = 0) -> None:
+        from otel_llm.integrations.vllm import stream_channel
+        from otel_llm.testing.vllm.stream import SchedulerModel
+
         self.steps: list[Step] = []
         self.load_starts: list[int] = []
-        self.preemptions = 0
-        self.requests = 0
-        self._clock = time.monotonic() - 10.0 * loads  # the engine's clock: its loads over before they are played
-        self._wall = time.time() - time.monotonic()
-        hello = {"engine": 0, "model": "tiny-llama"}
-        from otel_llm.integrations.vllm import stream_channel
-
-        self._hello = stream_channel.json_frame(stream_channel.HELLO, hello)
+        # The engine's clock: its loads over before they are played.
+        self.model = SchedulerModel(SHAPE, time.monotonic() - 10.0 * loads, time.time() - time.monotonic())
+        self._hello = stream_channel.json_frame(stream_channel.HELLO, {"engine": 0, "model": "tiny-llama"})
         for load in range(loads):
             self.load_starts.append(len(self.steps))
-            self._load(random.Random(seed + load), f"{load}-")
+            for step in self.model.load(random.Random(seed + load), REQUESTS, f"{load}-"):
+                self._step(step)
 
     @property
     def tokens(self) -> int:
         return sum(s.tokens for s in self.steps)
 
-    def _load(self, rng: random.Random, prefix: str) -> None:
-        from vllm.v1.engine import EngineCoreEvent, EngineCoreEventType, EngineCoreOutput, FinishReason
-        from vllm.v1.metrics.stats import PrefillStats, PrefixCacheStats, SchedulerStats
-
-        from otel_llm.events import CAUSE_REQUEST, CAUSE_SELF
-        from otel_llm.integrations.vllm import stream_channel
-        from otel_llm.integrations.vllm.cause_channel import CauseRecord
-
-        arrival = self._clock
-        waiting = [
-            _Request(
-                f"{prefix}{i}",
-                rng.randint(MIN_PROMPT, MAX_PROMPT),
-                f"00-{rng.getrandbits(128):032x}-{rng.getrandbits(64):016x}-01",
-                events=[(EngineCoreEventType.QUEUED, arrival)],
-            )
-            for i in range(REQUESTS)
-        ]
-        self.requests += len(waiting)
-        rows = [[r.rid, self._wall + arrival, r.prompt, MAX_TOKENS, {"traceparent": r.traceparent}] for r in waiting]
-        requests = stream_channel.json_frame(stream_channel.REQUESTS, rows)
-        running: list[_Request] = []
-        free = KV_BLOCKS
-        while waiting or running:
-            self._clock += STEP_S * rng.uniform(0.8, 1.2)
-            now = self._clock
-            causes = []
-            preempted = False
-            scheduled: list[_Request] = []
-            # Running requests first, in order; a block short: the last one is preempted (recompute).
-            for req in list(running):
-                if req not in running:
-                    continue
-                need = -(-(req.prompt + req.generated + 1) // BLOCK_SIZE) - req.blocks
-                while need > free:
-                    victim = running.pop()
-                    free += victim.blocks
-                    victim.blocks, victim.prefilled = 0, False
-                    victim.preemptions += 1
-                    victim.events.append((EngineCoreEventType.PREEMPTED, now))
-                    kind = CAUSE_SELF if victim is req else CAUSE_REQUEST
-                    causes.append(CauseRecord(victim.rid, victim.preemptions, kind, (req.rid,)))
-                    waiting.insert(0, victim)
-                    preempted = True
-                    if victim is req:
-                        break
-                if req in running:
-                    free -= need
-                    req.blocks += need
-                    scheduled.append(req)
-            # Then the waiting, while they fit (none in a step that preempted).
-            while not preempted and waiting and len(running) < MAX_NUM_SEQS:
-                req = waiting[0]
-                need = -(-(req.prompt + req.generated + 1) // BLOCK_SIZE)
-                if need > free:
-                    break
-                waiting.pop(0)
-                free -= need
-                req.blocks = need
-                req.events.append((EngineCoreEventType.SCHEDULED, now))
-                running.append(req)
-                scheduled.append(req)
-            outputs = []
-            for req in scheduled:
-                req.generated += 1
-                finished = req.generated >= MAX_TOKENS
-                outputs.append(
-                    EngineCoreOutput(
-                        request_id=req.rid,
-                        new_token_ids=[rng.randrange(3, 32000)],
-                        finish_reason=FinishReason.LENGTH if finished else None,
-                        events=[EngineCoreEvent(kind, ts) for kind, ts in req.events] or None,
-                        prefill_stats=None if req.prefilled else PrefillStats(num_prompt_tokens=req.prompt),
-                        trace_headers={"traceparent": req.traceparent},
-                    )
-                )
-                req.events, req.prefilled = [], True
-                if finished:
-                    running.remove(req)
-                    free += req.blocks
-            self.preemptions += len(causes)
-            stats = SchedulerStats(
-                num_running_reqs=len(running),
-                num_waiting_reqs=len(waiting),
-                kv_cache_usage=(KV_BLOCKS - free) / KV_BLOCKS,
-                prefix_cache_stats=PrefixCacheStats(requests=len(outputs), queries=len(outputs)),
-            )
-            self._step(outputs, stats, now, causes, requests)
-            requests = b""
-        self._clock += 1.0  # idle between loads: one step with nothing running
-        self._step([], SchedulerStats(), self._clock, [], b"")
-
-    def _step(self, outputs: list[Any], stats: Any, now: float, causes: list[Any], requests: bytes) -> None:
-        from vllm.v1.engine import EngineCoreOutputs
+    def _step(self, step: Any) -> None:
         from vllm.v1.serial_utils import MsgpackEncoder
 
         from otel_llm.integrations.vllm import stream_channel
 
-        eco = EngineCoreOutputs(outputs=outputs, scheduler_stats=stats, timestamp=now)
-        data = requests + stream_channel.outputs_frame(MsgpackEncoder().encode(eco))
+        data = stream_channel.outputs_frame(MsgpackEncoder().encode(step.outputs))
+        if step.given:
+            rows = [
+                [r.request_id, r.arrival_time, len(r.prompt_token_ids), r.sampling_params.max_tokens, r.trace_headers]
+                for r in step.given
+            ]
+            data = stream_channel.json_frame(stream_channel.REQUESTS, rows) + data
         if not self.steps:
             data = self._hello + data
-        self.steps.append(Step(data, causes, sum(len(o.new_token_ids) for o in outputs), len(outputs)))
+        self.steps.append(Step(data, step.causes, step.tokens, len(step.outputs.outputs)))
 
 
 class Evictor:
@@ -512,7 +413,7 @@ def run(
     finally:
         shutil.rmtree(copies, ignore_errors=True)
     # Every consumer is fed every load: per eviction size, one per variant and repetition, and the stages'.
-    expected = (len(evict_mib) * (reps * len(variants) + 1) + with_profile) * stream.requests
+    expected = (len(evict_mib) * (reps * len(variants) + 1) + with_profile) * stream.model.requests
     return result | {
         "method": "vLLM's engine-core stream (EngineCoreOutputs of vLLM's classes, encoded by its MsgpackEncoder, "
         "framed as the engine core's tap does) from a model of vLLM's scheduler under bench.vllm.rust's load, fed "
@@ -527,7 +428,7 @@ def run(
             "steps_timed": len(timed),
             "tokens_per_step": sum(s.tokens for s in timed) / len(timed),
             "outputs_per_step": sum(s.outputs for s in timed) / len(timed),
-            "preemptions_per_load": stream.preemptions / (loads + 1),
+            "preemptions_per_load": stream.model.preemptions / (loads + 1),
             "bytes_per_step": sum(len(s.data) for s in timed) / len(timed),
         },
         "spans_received": spans,
