@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional, Sequence
 from . import export, memory, outage, per_event, throughput
 from .vllm import engine as vllm_engine
 from .vllm import frontend as vllm_frontend
+from .vllm import rates as vllm_rates
 from .vllm import record as vllm_record
 from .vllm import rust as vllm_rust
 from .vllm import stream as vllm_stream
@@ -45,6 +46,7 @@ KEPT_SECTIONS = (
     vllm_frontend.INSTRUCTIONS_KEY,
     vllm_rust.KEY,
     vllm_stream.KEY,
+    vllm_rates.KEY,
 )
 
 
