@@ -12,6 +12,9 @@ before any thread starts), playing a model of vLLM's scheduler
 KV blocks short enough for preemptions, a share of stop finishes), its steps encoded beforehand
 by vLLM's ``MsgpackEncoder`` and handed to the tap at ``--rates`` steps per second, with each
 preemption's cause record over the cause channel before its step, as the deep hook sends it.
+Each request is given to its engine core just before its first step. The engine cores' heaps are
+frozen after their steps are modelled, as vLLM's engine core freezes its start-up heap; the
+consumer's process freezes its own before the runs, as the consumer does at the first hello.
 
 Per run (batch × DP × rate, ``--steps`` steps per engine): the consumer thread's CPU per output
 (its own thread clock) and in cores, the consumer process's CPU per output (its exporters too),
@@ -84,12 +87,15 @@ def play(batch: int, steps: int, engine: int) -> Played:
     out: list[tuple[bytes, list[Any], list[Any]]] = []
     outputs = finished = 0
     rng = random.Random(engine)
-    # Enough requests that the batch stays full (about twice those that finish): the load's end is never reached.
+    # Enough requests that the batch stays full (about twice those that finish): the load's end is
+    # never reached. Each is given to the engine core just before its first step (not all at once).
+    arriving: dict[str, Any] = {}
     for step in model.load(rng, batch + batch * steps // 100, f"e{engine}-"):
         if len(out) == steps:
             break
-        first = bytes(encoder.encode(step.outputs)[0])
-        out.append((first, step.given, step.causes))
+        arriving.update((r.request_id, r) for r in step.given)
+        given = [arriving.pop(o.request_id) for o in step.outputs.outputs if o.request_id in arriving]
+        out.append((bytes(encoder.encode(step.outputs)[0]), given, step.causes))
         outputs += len(step.outputs.outputs)
         finished += sum(o.finish_reason is not None for o in step.outputs.outputs)
     return Played(out, outputs, finished, model.preemptions, sum(len(s[0]) for s in out))
@@ -251,21 +257,18 @@ def run(
     steps: int,
     sndbuf: int,
     traces: str,
-    freeze: bool,
 ) -> dict[str, Any]:
     os.environ.update({"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"})
     import logging
 
-    from otel_llm.integrations.vllm import stream_translate
+    from otel_llm.integrations.vllm import stream_consumer, stream_translate
     from otel_llm.integrations.vllm.fields import FieldReader
 
     # What the consumer's first output imports (vLLM's classes), done once before the engines
     # are forked and before anything is timed: a real serve has them imported by then.
     stream_translate.decoder(FieldReader(logging.getLogger(__name__)))
-    from vllm.utils.gc_utils import freeze_gc_heap
-
-    if freeze:  # as vLLM's own API server does at its start-up
-        freeze_gc_heap()
+    # What the consumer does at the first hello: done here, not in the first run's timing.
+    stream_consumer.freeze_start_up_heap()
 
     context = multiprocessing.get_context("fork")
     result: dict[str, Any] = {
@@ -273,7 +276,6 @@ def run(
         "highest_nothing_lost": {},
         "sndbuf": sndbuf,
         "steps_per_run": steps,
-        "consumer_heap_frozen": freeze,
     }
     # The engine cores, forked before any thread of this process starts (the consumer's, the exporters').
     workers = []
@@ -395,17 +397,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--steps", type=int, default=400, help="steps per engine per run (default 400)")
     p.add_argument("--sndbuf", type=int, default=STOCK_WMEM_MAX, help="send buffer asked (default a stock cap)")
     p.add_argument("--traces", choices=["otlp", "none"], default="otlp", help="spans over OTLP to rotel, or none")
-    p.add_argument(
-        "--freeze",
-        action="store_true",
-        help="freeze the consumer process's start-up heap (gc), as vLLM's API server does",
-    )
     p.add_argument("--out", type=Path, default=RESULTS, help=f"JSON to update (key {KEY})")
     args = p.parse_args(argv)
     return write_section(
         KEY,
         args.out,
-        lambda: run(args.batches, args.rates, args.dp, args.steps, args.sndbuf, args.traces, args.freeze),
+        lambda: run(args.batches, args.rates, args.dp, args.steps, args.sndbuf, args.traces),
         table_lines,
     )
 

@@ -175,3 +175,18 @@ def test_a_frame_over_the_bound_is_lost_and_counted(tapped: Any) -> None:
     assert o.tap.sender.lost_total == 1
     _run_until_finished(engine, 1)  # the next send tells the loss
     wait_until(lambda: _dropped(o).get("engine_stream_lost") == 1, 30, what="the loss counted")
+
+
+def test_the_start_up_heap_is_frozen_once_an_engine_core_says_hello(tapped: Any) -> None:
+    """As vLLM's own API server does at its start-up: the serve's heap out of the collector's
+    reach once its first engine core is up (the consumer reads the hello), not before."""
+    import gc
+
+    from vllm.v1.engine import EngineCoreOutputs, UtilityOutput
+
+    o, engine = tapped, tapped.engine
+    gc.unfreeze()
+    assert gc.get_freeze_count() == 0
+    engine.put(EngineCoreOutputs(utility_output=UtilityOutput(call_id=1)))  # the first send: the hello with it
+    wait_until(lambda: o.consumer._engines, 30, what="the hello read")
+    assert gc.get_freeze_count() > 0

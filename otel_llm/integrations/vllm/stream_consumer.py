@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import gc
 import json
 import logging
 import os
@@ -191,6 +192,7 @@ class StreamConsumer:
         engine = self._engines.get(peer)
         if kind == stream_channel.HELLO:
             hello = json.loads(payload)
+            freeze_start_up_heap()
             engine = self._engines[peer] = self._engine(hello)
             lost = self._lost_before_hello.pop(peer, 0)
             if lost:
@@ -351,6 +353,18 @@ class StreamConsumer:
         self._read(peer)
         if peer in self._connections:
             self._forget(peer)
+
+
+def freeze_start_up_heap() -> None:
+    """Once an engine core is up (its hello), ``vllm serve``'s start-up heap is moved out of the
+    cyclic collector's reach, as vLLM's own API server does at its start-up (under the Rust frontend
+    this process runs none): otherwise each full collection scans all of it (torch, vLLM: over half
+    a million objects, about 0.5 s on a small machine) under the GIL, from the consumer's thread
+    mostly, at up to 1024 outputs a step (docs/performance.md). Nothing if the heap was frozen
+    already (by vLLM, or a consumer before)."""
+    if gc.get_freeze_count() == 0:
+        gc.collect()
+        gc.freeze()
 
 
 def _vllm_decoder() -> Callable[[bytes], Any]:
