@@ -21,8 +21,10 @@ Per run (batch × DP × rate, ``--steps`` steps per engine): the consumer thread
 frames the engines lost (``engine_stream_lost``), how long the backlog took to drain after the
 last step, the requests recorded finished against the model's, and the engine core's µs per
 hand-over (``tap.forward``), p50 and p99, apart for sends with nothing waiting and with a backlog.
-The highest rate with nothing lost per batch and DP sums it up. The result goes into
-bench/results.json under ``vllm_stream_rates``; other keys are kept.
+The highest rate with nothing lost per batch and DP sums it up. ``--sender-against REV``: also
+one hand-over's cost with backlogs of 0-8 MiB, this sender against REV's
+(:mod:`bench.vllm.sender_cost`). The result goes into bench/results.json under
+``vllm_stream_rates``; other keys are kept.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from opentelemetry.sdk.trace import SpanProcessor
 from otel_llm.testing.vllm.stream import Shape
 
 from ..common import otlp_receiver, write_section
+from . import sender_cost
 
 RESULTS = Path(__file__).resolve().parents[1] / "results.json"
 KEY = "vllm_stream_rates"
@@ -257,6 +260,7 @@ def run(
     steps: int,
     sndbuf: int,
     traces: str,
+    sender_against: Optional[str] = None,
 ) -> dict[str, Any]:
     os.environ.update({"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"})
     import logging
@@ -270,6 +274,9 @@ def run(
     # What the consumer does at the first hello: done here, not in the first run's timing.
     stream_consumer.freeze_start_up_heap()
 
+    if sender_against:
+        frames = [first for first, _, _ in play(TARGET_BATCH, 20, 0).steps[1:]]
+        sender = sender_cost.run(sender_against, frames, sndbuf)
     context = multiprocessing.get_context("fork")
     result: dict[str, Any] = {
         "runs": [],
@@ -325,6 +332,8 @@ def run(
             None if not one else one[0]["lost_frames"] == 0 and one[0]["consumer_thread_cores"] <= TARGET_CORES
         ),
     }
+    if sender_against:
+        result["sender_cost"] = sender
     return result | {
         "method": "the real tap, channel and consumer; each engine core a forked process playing vLLM's own classes "
         "(SchedulerModel, encoded by MsgpackEncoder beforehand) at a fixed step rate; consumer CPU from its thread's "
@@ -384,6 +393,14 @@ def table_lines(r: dict[str, Any]) -> list[str]:
     for key, best in r["highest_nothing_lost"].items():
         said = "none" if best is None else f"{best['steps_per_s']:.0f} steps/s, {best['outputs_per_s']:,.0f} outputs/s"
         lines.append(f"   highest rate with nothing lost, batch x DP {key}: {said}")
+    for backlog, row in r.get("sender_cost", {}).get("by_backlog", {}).items():
+        lines.append(
+            f"   hand-over with {backlog} waiting: "
+            + ", ".join(
+                f"{name} {v['p50_us']:.1f}/{v['p99_us']:.1f} µs" if isinstance(v, dict) else f"{name} {v:.2f}"
+                for name, v in row.items()
+            )
+        )
     for target, met in r["targets"].items():
         lines.append(f"   target {target}: {'not run' if met is None else 'met' if met else 'MISSED'}")
     return lines
@@ -397,12 +414,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--steps", type=int, default=400, help="steps per engine per run (default 400)")
     p.add_argument("--sndbuf", type=int, default=STOCK_WMEM_MAX, help="send buffer asked (default a stock cap)")
     p.add_argument("--traces", choices=["otlp", "none"], default="otlp", help="spans over OTLP to rotel, or none")
+    p.add_argument(
+        "--sender-against", metavar="REV", help="also a hand-over's cost, this sender vs REV's (bench.vllm.sender_cost)"
+    )
     p.add_argument("--out", type=Path, default=RESULTS, help=f"JSON to update (key {KEY})")
     args = p.parse_args(argv)
     return write_section(
         KEY,
         args.out,
-        lambda: run(args.batches, args.rates, args.dp, args.steps, args.sndbuf, args.traces),
+        lambda: run(args.batches, args.rates, args.dp, args.steps, args.sndbuf, args.traces, args.sender_against),
         table_lines,
     )
 
