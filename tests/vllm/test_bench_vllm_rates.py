@@ -33,5 +33,6 @@ def test_bench_vllm_rates_writes_its_section(tmp_path: Path) -> None:
         assert run["lost_frames"] == 0 and run["copied_bytes_per_step"] >= 0
         assert run["finished_recorded"] == run["finished_expected"] > 0
         assert run["send_idle"]["n"] + (run["send_backlog"] or {"n": 0})["n"] == 150 * run["engines"]
-    assert set(r["highest_nothing_lost"]) == {"8x1", "8x2"}
-    assert "highest rate with nothing lost, batch x DP 8x1: 400 steps/s" in done.stdout
+    assert set(r["highest_sustained"]) == {"8x1", "8x2"} and set(r["send_us"]) == {"8"}
+    assert r["send_us"]["8"]["nothing_waiting"]["n"] + (r["send_us"]["8"]["backlog"] or {"n": 0})["n"] == 450
+    assert "highest rate sustained (nothing lost, nothing left behind), batch x DP 8x1" in done.stdout

@@ -38,7 +38,7 @@ MAX_PENDING = 8 << 20  # bytes kept while the consumer's socket is full; more fr
 MAX_FRAME = 64 << 20  # a longer frame is garbage: the connection is dropped
 # Asked for; the kernel caps it at net.core.wmem_max (208 KiB by default): the backlog covers the rest.
 SEND_BUFFER = 4 << 20
-MAX_PARTS = 64  # buffers per sendmsg: far below any IOV_MAX
+MAX_PARTS = 16  # buffers per sendmsg: enough for the room a read makes, few to build (far below IOV_MAX)
 _HEADER = struct.Struct(">cI")
 
 
