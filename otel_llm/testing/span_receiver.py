@@ -1,6 +1,6 @@
 """A minimal OTLP receiver on 127.0.0.1 that keeps the spans it is sent, in memory.
 
-``otel-llm demo-vllm`` and bench/vllm_engine.py point the vLLM server's plugin at it
+``otel-llm demo-vllm`` and bench/vllm/engine.py point the vLLM server's plugin at it
 (``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``) to read its ``llm_request`` spans back. Traces over
 OTLP/gRPC (``endpoint``) or OTLP/HTTP (``http_endpoint``, where metric exports are counted too).
 Built on grpc and opentelemetry-proto, both dependencies of the OTLP exporter that otel-llm

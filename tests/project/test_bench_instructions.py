@@ -1,4 +1,4 @@
-"""bench.instructions, the instruction counts behind ``bench.vllm_frontend --instructions``: a
+"""bench.instructions, the instruction counts behind ``bench.vllm.frontend --instructions``: a
 window counts every thread's work in it, a thread that ended before the window did included,
 and nothing outside it; the same work counts the same."""
 

@@ -1,4 +1,4 @@
-"""``python -m bench.vllm_record`` runs in vLLM's environment and writes its section: every
+"""``python -m bench.vllm.record`` runs in vLLM's environment and writes its section: every
 variant timed, finite numbers, and the plugin's logger really at work (one span per request of
 every run that had it). No timing is judged here."""
 
@@ -19,7 +19,7 @@ def test_bench_vllm_record_writes_its_section(tmp_path: Path) -> None:
     out.write_text(json.dumps({"kept": 1}))
     args = ["--reps", str(REPS), "--requests", str(REQUESTS), "--tokens", str(TOKENS), "--out", str(out)]
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.vllm_record", *args], cwd=ROOT, capture_output=True, text=True, timeout=600
+        [sys.executable, "-m", "bench.vllm.record", *args], cwd=ROOT, capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads(out.read_text())
@@ -39,7 +39,7 @@ def test_bench_vllm_record_writes_its_section(tmp_path: Path) -> None:
 
 def test_bench_vllm_record_rejects_bad_arguments(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.vllm_record", "--reps", "1", "--out", str(tmp_path / "r.json")],
+        [sys.executable, "-m", "bench.vllm.record", "--reps", "1", "--out", str(tmp_path / "r.json")],
         cwd=ROOT,
         capture_output=True,
         text=True,

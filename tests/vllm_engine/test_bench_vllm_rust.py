@@ -1,4 +1,4 @@
-"""``python -m bench.vllm_rust`` at its smallest (one pair of small loads, one start of each
+"""``python -m bench.vllm.rust`` at its smallest (one pair of small loads, one start of each
 server: 80–90 s here): its section of the results is written whole. Nothing timed is asserted."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.vllm_rust import KEY
-from bench.vllm_rust.__main__ import ARMS, RATIOS, TARGETS
+from bench.vllm.rust import KEY
+from bench.vllm.rust.__main__ import ARMS, RATIOS, TARGETS
 from otel_llm.testing.vllm.server import rust_frontend_missing
 from tests.support.backends import require_backend
 
@@ -25,7 +25,7 @@ def test_the_smallest_run_writes_its_section(tmp_path: Path) -> None:
     out = tmp_path / "results.json"
     out.write_text(json.dumps({"other": {"kept": True}}))
     done = subprocess.run(
-        [sys.executable, "-m", "bench.vllm_rust", *ARGS, "--out", str(out)],
+        [sys.executable, "-m", "bench.vllm.rust", *ARGS, "--out", str(out)],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -13,9 +13,11 @@ What the engine core pays, and where:
 - its output thread, at its start: who it is (engine index, served model, ``max_model_len``,
   vLLM's custom histogram buckets),
   said first on every connection; per output message: the bytes vLLM has just encoded for its
-  frontend (``EngineCoreProc._send_msg_tracking_payload``) copied into one frame, the requests added
-  since (their id, arrival time, prompt length, ``max_tokens``, trace headers) read and written
-  before them, one non-blocking send; never an OpenTelemetry call, never an exception into vLLM.
+  frontend (``EngineCoreProc._send_msg_tracking_payload``), its first buffer sent as one frame
+  straight from vLLM's memory (copied only past a full socket), the requests added since (their
+  id, arrival time, prompt length, ``max_tokens``, trace headers) read and written before them,
+  one non-blocking send; never an OpenTelemetry call, never an exception into vLLM;
+- its shutdown: a goodbye, after the backlog, waiting for it at most :data:`BYE_FLUSH_S`.
 
 Nothing is sent before the output thread has started, nor after the engine core said goodbye.
 Attached by structure (:func:`shape_problem`), whatever vLLM's version; where a check fails, one
@@ -36,6 +38,7 @@ from otel_llm.integrations.vllm import stream_channel
 _log = logging.getLogger("otel_llm.integrations.vllm")
 
 MAX_WAITING_REQUESTS = 65_536  # requests added and not yet written; more are lost, counted
+BYE_FLUSH_S = 1.0  # the engine core's shutdown waits this long at most for its backlog to be read
 OUTPUT_FIELDS = ("engine_index", "outputs", "scheduler_stats", "timestamp", "finished_requests")
 OUTPUT_ITEM_FIELDS = ("request_id", "new_token_ids", "finish_reason", "events", "trace_headers", "prefill_stats")
 
@@ -90,22 +93,23 @@ class _Tap:
         self._lost_told = 0  # the part of it already written
 
     def forward(self, buffers: Any) -> None:
-        """The output thread: one output message as vLLM encoded it."""
+        """The output thread: one output message as vLLM encoded it (its first buffer, not copied)."""
         with self.lock:
-            self._send(stream_channel.outputs_frame(buffers))
+            self._send(*stream_channel.outputs_parts(buffers))
 
     def aborted(self, request_ids: list[str], at: float) -> None:
         """The busy loop: requests the scheduler finished as aborted, at ``at`` (its monotonic clock)."""
         with self.lock:
             self._send(stream_channel.json_frame(stream_channel.ABORTED, [at, request_ids]))
 
-    def _send(self, frame: bytes) -> None:
+    def _send(self, *frame: Any) -> None:
         if self.closed or self.hello is None:
             return
-        data = self._requests() + frame
+        requests = self._requests()
+        parts = (requests, *frame) if requests else frame
         if not self.sender.connected:
-            data = self.hello + data  # a new connection: the consumer learns who we are first
-        self.sender.send(data)
+            parts = (self.hello, *parts)  # a new connection: the consumer learns who we are first
+        self.sender.send(*parts)
 
     def _requests(self) -> bytes:
         rows: list[list[Any]] = []
@@ -130,9 +134,11 @@ class _Tap:
         return stream_channel.json_frame(stream_channel.REQUESTS, rows) if rows else b""
 
     def bye(self) -> None:
+        """Goodbye, after what the backlog still holds (waiting for it at most BYE_FLUSH_S)."""
         with self.lock:
             if self.sender.connected and not self.closed:
                 self.sender.send(stream_channel.frame(stream_channel.BYE, b""))
+                self.sender.flush(BYE_FLUSH_S)
             self.sender.close()
             self.closed = True
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import gc
 import json
 import logging
 import os
@@ -30,7 +31,7 @@ import signal
 import socket
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from otel_llm.catalogue import drops
 from otel_llm.export import resource as resources
@@ -49,8 +50,13 @@ POLL_S = 0.5  # how often the thread looks whether it should stop, when nothing 
 # After a read, the next waits this long: the engine steps' frames meanwhile (one every few ms on
 # a small model) are read and recorded together, the consumer's code and data warm for all but
 # the first, instead of each after the engine's work has evicted them. Each read takes all that
-# waits; meanwhile the engine core's socket buffer holds what it sends (SEND_BUFFER asked for).
+# waits; meanwhile the engine core's socket buffer holds what it sends (SEND_BUFFER asked for,
+# 416 KiB under a stock net.core.wmem_max), then its backlog. A read of BUSY_READ bytes or more
+# means the engines send fast enough to fill that buffer within the long gap: the next waits only
+# BUSY_GAP_S (the long gap would cap an engine at about its socket buffer per gap).
 READ_GAP_S = 0.05
+BUSY_GAP_S = 0.005
+BUSY_READ = 64 << 10
 READ_SIZE = 1 << 20
 # An abort ends its request once no output made before it can still be on its way: at the first
 # output made after it, or this long after it (an idle engine core sends nothing more).
@@ -110,6 +116,7 @@ class StreamConsumer:
         try:
             while not self._stop.is_set():
                 ready, _, _ = select.select([self._listener, *self._connections], [], [], POLL_S)
+                read = 0
                 with self._lock:
                     if self._stop.is_set():
                         return
@@ -119,10 +126,10 @@ class StreamConsumer:
                             connection.setblocking(False)
                             self._connections[connection] = stream_channel.Connection(connection)
                         else:
-                            self._read(peer)
+                            read = max(read, self._read(peer))
                     self._settle(time.monotonic() - ABORT_SETTLE_S)
                 if ready:
-                    self._stop.wait(READ_GAP_S)
+                    self._stop.wait(BUSY_GAP_S if read >= BUSY_READ else READ_GAP_S)
         except Exception:  # noqa: BLE001 - never into vLLM: the consumer stops, vLLM serves on
             _log.exception("otel-llm engine stream: the consumer failed and stops recording (reported once)")
 
@@ -136,14 +143,17 @@ class StreamConsumer:
         except OSError:
             return b""
 
-    def _read(self, peer: socket.socket) -> None:
-        """All that ``peer`` sent and waits; its end, when its connection ended or sent garbage."""
+    def _read(self, peer: socket.socket) -> int:
+        """All that ``peer`` sent and waits; its end, when its connection ended or sent garbage.
+        The bytes read."""
+        read = 0
         while True:
             chunk = self._recv(peer)
             if chunk is None:
-                return
+                return read
             if not chunk:
                 break
+            read += len(chunk)
             try:
                 for kind, payload in self._connections[peer].frames(chunk):
                     try:
@@ -157,10 +167,11 @@ class StreamConsumer:
                     exc,
                 )
                 self._forget(peer)
-                return
+                return read
             if len(chunk) < READ_SIZE:
-                return
+                return read
         self._ended(peer)
+        return read
 
     def _unreadable(self, peer: socket.socket, kind: bytes, exc: Exception) -> None:
         self.unreadable += 1
@@ -181,6 +192,7 @@ class StreamConsumer:
         engine = self._engines.get(peer)
         if kind == stream_channel.HELLO:
             hello = json.loads(payload)
+            freeze_start_up_heap()
             engine = self._engines[peer] = self._engine(hello)
             lost = self._lost_before_hello.pop(peer, 0)
             if lost:
@@ -210,23 +222,18 @@ class StreamConsumer:
             engine.clean = True
 
     def _decode(self, payload: bytes) -> Any:
-        buffers = stream_channel.split_outputs(payload)
         if self._decoder is None:
-            slim = stream_translate.decoder(self._reader)
-            self._decoder = lambda buffers: slim(buffers[0])
+            self._decoder = stream_translate.decoder(self._reader)
         try:
-            return self._decoder(buffers)
+            return self._decoder(payload)
         except ValueError as exc:  # msgspec's ValidationError: a field of a type not foreseen
-            from vllm.v1.engine import EngineCoreOutputs
-            from vllm.v1.serial_utils import MsgpackDecoder
-
             _log.warning(
                 "otel-llm engine stream: this vLLM's outputs do not decode as expected (%s); "
                 "decoding them with vLLM's own decoder from now on, at a higher cost",
                 exc,
             )
-            self._decoder = MsgpackDecoder(EngineCoreOutputs).decode
-            return self._decoder(buffers)
+            self._decoder = _vllm_decoder()
+            return self._decoder(payload)
 
     def _drain_causes(self) -> None:
         """Each cause record kept for its victim's event, and its causes credited at once: the
@@ -350,6 +357,37 @@ class StreamConsumer:
         self._read(peer)
         if peer in self._connections:
             self._forget(peer)
+
+
+def freeze_start_up_heap() -> None:
+    """Once an engine core is up (its hello), ``vllm serve``'s start-up heap is moved out of the
+    cyclic collector's reach, as vLLM's own API server does at its start-up (under the Rust frontend
+    this process runs none): otherwise each full collection scans all of it (torch, vLLM: over half
+    a million objects, about 0.5 s on a small machine) under the GIL, from the consumer's thread
+    mostly, at up to 1024 outputs a step (docs/performance.md). Nothing if the heap was frozen
+    already (by vLLM, or a consumer before)."""
+    if gc.get_freeze_count() == 0:
+        gc.collect()
+        gc.freeze()
+
+
+def _vllm_decoder() -> Callable[[bytes], Any]:
+    """vLLM's own decoder of ``EngineCoreOutputs``, for the first buffer alone: a tensor or array
+    whose bytes were out of band (not sent) decodes empty, as nothing translated reads them."""
+    import numpy
+    from vllm.v1.engine import EngineCoreOutputs
+    from vllm.v1.serial_utils import MsgpackDecoder
+
+    class FirstBufferDecoder(MsgpackDecoder):
+        def _decode_ndarray(self, arr: Any) -> Any:
+            return numpy.empty(0) if isinstance(arr[2], int) else super()._decode_ndarray(arr)
+
+        def _decode_tensor(self, arr: Any) -> Any:
+            import torch
+
+            return torch.empty(0) if isinstance(arr[2], int) else super()._decode_tensor(arr)
+
+    return FirstBufferDecoder(EngineCoreOutputs).decode
 
 
 def _publisher(telemetry: Any) -> Any:

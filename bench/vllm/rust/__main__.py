@@ -1,4 +1,4 @@
-"""``python -m bench.vllm_rust``: the command, its measurements and its table (see the package)."""
+"""``python -m bench.vllm.rust``: the command, its measurements and its table (see the package)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from ..common import median, ratio, write_section
-from ..vllm_engine import answers, cpu_seconds, main_thread_cpu_seconds, plugins_without_ours
+from ...common import median, ratio, write_section
+from ..engine import answers, cpu_seconds, main_thread_cpu_seconds, plugins_without_ours
 from . import KEY, SITE
 
-HERE = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parents[2]
 ARMS = ("stock", "otel")
 CONSUMER_LINE = "recording vLLM's engine-core stream"  # logged by otel-llm in vllm serve's process
 ENGINE_CORE = "VLLM::EngineCore"
@@ -453,7 +453,7 @@ def table_lines(r: dict[str, Any]) -> list[str]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m bench.vllm_rust",
+        prog="python -m bench.vllm.rust",
         description="What otel-llm costs vLLM's real CPU engine under its Rust frontend, against stock vLLM.",
     )
     p.add_argument("--pairs", type=int, default=16, help="stock/otel pairs of loads (default 16)")

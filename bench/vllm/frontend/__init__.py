@@ -1,4 +1,4 @@
-"""``python -m bench.vllm_frontend [--rounds N] [--loads N] [--variants V ...] [--out PATH]`` (in .venv-vllm-cpu)
+"""``python -m bench.vllm.frontend [--rounds N] [--loads N] [--variants V ...] [--out PATH]`` (in .venv-vllm-cpu)
 
 What the plugin costs vLLM's API server, resolved to about 1 %: vLLM's real frontend (the OpenAI
 completions endpoint with streaming under uvicorn, ``AsyncLLM``'s output handler,
@@ -48,7 +48,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]  # the repository: the client and counted processes run in it
+ROOT = Path(__file__).resolve().parents[3]  # the repository: the client and counted processes run in it
 KEY = "vllm_frontend"
 INSTRUCTIONS_KEY = "vllm_frontend_instructions"
 TARGET = 1.03  # otlp / stock, CPU per output token

@@ -1,4 +1,4 @@
-"""``python -m bench.vllm_rust [--pairs N] [--blocks N] [--requests N] [--settle S] [--out PATH]``
+"""``python -m bench.vllm.rust [--pairs N] [--blocks N] [--requests N] [--settle S] [--out PATH]``
 (in .venv-vllm-cpu)
 
 What otel-llm costs vLLM's real CPU engine under vLLM's Rust frontend (``vllm serve`` with

@@ -112,9 +112,9 @@ class ScriptedCore:
 
 def round_specs(requests: int, tokens: int, running: int = 4) -> list[Any]:
     """All requests arrive at once; ``running`` at a time are scheduled, the rest wait their
-    turn (the real engine under bench.vllm_engine's KV pressure runs 3 or 4 at once, so the
+    turn (the real engine under bench.vllm.engine's KV pressure runs 3 or 4 at once, so the
     per-step work is shared by that many tokens); a quarter preempted once, a third of the way
-    through (as bench.vllm_record)."""
+    through (as bench.vllm.record)."""
     from otel_llm.testing.vllm.stream import Spec
 
     wave = tokens + 3  # a preempted request's 2 steps back in the queue, and one to spare

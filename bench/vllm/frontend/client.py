@@ -8,7 +8,7 @@ import sys
 import time
 from typing import Any
 
-from ..common import median
+from ...common import median
 from .frontend import MODEL_NAME
 
 SCRAPE_INTERVAL_S = 0.1

@@ -1,4 +1,4 @@
-"""``python -m bench.vllm_frontend``: the command (and the client and counted processes it starts)."""
+"""``python -m bench.vllm.frontend``: the command (and the client and counted processes it starts)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .. import vllm_frontend
-from ..common import write_section
+from ...common import write_section
+from .. import frontend as package
 from . import INSTRUCTIONS_KEY, KEY, ROOT
 from .client import client_main
 from .frontend import VARIANTS
@@ -18,7 +18,7 @@ from .rounds import LOADS, run, table_lines
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.vllm_frontend", description=vllm_frontend.__doc__.splitlines()[2])
+    p = argparse.ArgumentParser(prog="python -m bench.vllm.frontend", description=package.__doc__.splitlines()[2])
     p.add_argument(
         "--rounds", type=int, default=20, help="interleaved rounds of every variant (default 20, at least 3)"
     )

@@ -1,4 +1,4 @@
-"""Loaded by every Python process of a server bench.vllm_rust starts (this folder on PYTHONPATH),
+"""Loaded by every Python process of a server bench.vllm.rust starts (this folder on PYTHONPATH),
 the same in both arms:
 
 - the engine core's step times, with OTEL_LLM_BENCH_STEP_TIMES=<file>: when vLLM's engine-core

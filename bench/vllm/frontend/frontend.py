@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, AsyncIterator, ContextManager, Optional
 
-from ..common import otlp_receiver
+from ...common import otlp_receiver
 from . import ROOT
 from .scripted_core import ScriptedCore
 
@@ -204,7 +204,7 @@ async def serving(loads: int = 1) -> AsyncIterator[tuple[Frontend, Any]]:
     client = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "bench.vllm_frontend",
+        "bench.vllm.frontend",
         "--client",
         stdin=asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE,

@@ -1,4 +1,4 @@
-"""``python -m bench.vllm_record [--reps N] [--requests N] [--tokens N] [--out PATH]``
+"""``python -m bench.vllm.record [--reps N] [--requests N] [--tokens N] [--out PATH]``
 (in .venv-vllm-<release>; ``make setup-vllm`` makes the newest release's)
 
 What the plugin's stat logger costs vLLM's frontend per engine step, beside vLLM's own
@@ -29,9 +29,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from .common import interleave, median, ratio, write_section
+from ..common import interleave, median, ratio, write_section
 
-HERE = Path(__file__).resolve().parent
+RESULTS = Path(__file__).resolve().parents[1] / "results.json"
 KEY = "vllm_record"
 VARIANTS = ("none", "vllm", "otel", "vllm+otel")
 
@@ -189,11 +189,11 @@ def table_lines(r: dict[str, Any]) -> list[str]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.vllm_record", description=__doc__.splitlines()[2])
+    p = argparse.ArgumentParser(prog="python -m bench.vllm.record", description=__doc__.splitlines()[2])
     p.add_argument("--reps", type=int, default=15, help="repetitions of every variant (default 15, at least 3)")
     p.add_argument("--requests", type=int, default=64, help="requests in the scripted stream (default 64)")
     p.add_argument("--tokens", type=int, default=96, help="output tokens per request (default 96)")
-    p.add_argument("--out", type=Path, default=HERE / "results.json", help="JSON to update (key vllm_record)")
+    p.add_argument("--out", type=Path, default=RESULTS, help="JSON to update (key vllm_record)")
     args = p.parse_args(argv)
     if args.reps < 3:
         p.error("--reps: at least 3")

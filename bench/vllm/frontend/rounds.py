@@ -8,7 +8,7 @@ import statistics
 import sys
 from typing import Any, Sequence
 
-from ..common import median, ratio
+from ...common import median, ratio
 from . import TARGET, TARGET_REPLACE
 from .client import SCRAPE_INTERVAL_S
 from .frontend import VARIANTS, serving
