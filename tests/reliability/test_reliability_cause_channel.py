@@ -87,7 +87,7 @@ def test_a_receiver_that_went_away_is_dropped_without_an_exception(folder: str) 
     receiver.close()
     for i in range(1, 100):
         sender.send(_record(i))  # no exception into the scheduler
-    assert sender._peers == {}
+    assert sender._writers == {}
 
 
 def test_a_receiver_started_later_is_found_at_a_later_preemption(folder: str, monkeypatch: pytest.MonkeyPatch) -> None:

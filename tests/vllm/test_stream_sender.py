@@ -95,8 +95,8 @@ def test_the_goodbye_comes_after_the_backlog(tapped: Any, monkeypatch: pytest.Mo
     """A consumer behind when the engine core shuts down: the backlog is read, then the goodbye,
     so the requests still in flight end ``shutdown`` (the old sender dropped its backlog with the
     goodbye: they ended ``engine_dead``)."""
-    monkeypatch.setattr(stream_channel, "MAX_PENDING", 1 << 20)  # all kept
     o, engine = tapped, tapped.engine
+    monkeypatch.setattr(o.tap.sender, "max_pending", 1 << 20)  # all kept
     with o.consumer._lock:
         for i in range(8):
             engine.add(f"r{i}", prompt=20, max_tokens=100)
