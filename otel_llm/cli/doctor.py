@@ -58,7 +58,8 @@ def _checked(check: Callable[[], Optional[str]]) -> Optional[str]:
 
 
 def vllm_parts(environ: Mapping[str, str]) -> list[Part]:
-    from otel_llm.integrations.vllm import deep_hook, engine_core, engine_tap, frontend, replace
+    from otel_llm.integrations.vllm.engine_core import engine_core, engine_tap
+    from otel_llm.integrations.vllm.frontend import deep_hook, frontend, replace
 
     deep = deep_hook.enabled(environ)
     mode = replace.mode(environ)

@@ -99,7 +99,7 @@ def setup_telemetry(
     """Build providers, readers and exporters, and the engine's :class:`EngineTelemetry`.
 
     ``extra_views``: Views for instruments of your own on the same MeterProvider (the vLLM
-    plugin's :class:`~otel_llm.integrations.vllm.series.VllmSeries` passes its own).
+    plugin's :class:`~otel_llm.integrations.vllm.series.series.VllmSeries` passes its own).
 
     Settings left ``None`` in ``config`` come from the standard ``OTEL_*`` variables.
     Raises ValueError (bad settings) at once, and OSError when the Prometheus port is taken —

@@ -1,5 +1,5 @@
 """The channel that carries preemption causes from vLLM's engine cores to its API servers
-(otel_llm.integrations.vllm.cause_channel), on real Unix sockets: every record arrives in order,
+(otel_llm.integrations.vllm.channels.cause_channel), on real Unix sockets: every record arrives in order,
 nothing blocks the engine core whatever the API server does, what is lost is counted, and an
 engine core that dies mid-line or writes garbage breaks nothing."""
 
@@ -12,8 +12,8 @@ from typing import Iterator
 
 import pytest
 
-from otel_llm.integrations.vllm import cause_channel
-from otel_llm.integrations.vllm.cause_channel import CauseRecord, Receiver, Sender
+from otel_llm.integrations.vllm.channels import cause_channel
+from otel_llm.integrations.vllm.channels.cause_channel import CauseRecord, Receiver, Sender
 
 
 @pytest.fixture

@@ -15,8 +15,10 @@ import pytest
 from samples import otel_samples
 from test_engine_tap import Engine, _run_until_finished
 
-from otel_llm.integrations.vllm import engine_tap, stream_channel, stream_translate
-from otel_llm.integrations.vllm.stream_consumer import StreamConsumer
+from otel_llm.integrations.vllm.channels import stream_channel
+from otel_llm.integrations.vllm.engine_core import engine_tap
+from otel_llm.integrations.vllm.frontend.stream_consumer import StreamConsumer
+from otel_llm.integrations.vllm.translation import stream_translate
 from tests.support.backends import wait_until
 
 BOUND = 16 << 10  # the backlog's bound in these tests

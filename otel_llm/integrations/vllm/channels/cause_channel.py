@@ -30,7 +30,7 @@ import tempfile
 import time
 from typing import Iterator, NamedTuple, Optional
 
-from otel_llm.integrations.vllm.socket_writer import SocketWriter
+from otel_llm.integrations.vllm.channels.socket_writer import SocketWriter
 
 _log = logging.getLogger("otel_llm.integrations.vllm")  # one logger for the vLLM adapter, whichever module logs
 

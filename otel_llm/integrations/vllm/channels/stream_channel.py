@@ -26,7 +26,7 @@ import socket
 import struct
 from typing import Any, Iterator, Sequence
 
-from otel_llm.integrations.vllm.socket_writer import SocketWriter
+from otel_llm.integrations.vllm.channels.socket_writer import SocketWriter
 
 SOCKET_NAME = "engine-stream"  # not *.sock: the cause channel's senders connect to every one of those
 HELLO, REQUESTS, OUTPUTS, LOST, ABORTED, BYE = b"H", b"R", b"O", b"L", b"A", b"B"

@@ -35,10 +35,11 @@ from typing import Any, Callable, Optional
 
 from otel_llm.catalogue import drops
 from otel_llm.export import resource as resources
-from otel_llm.integrations.vllm import cause_channel, stream_channel, stream_translate
-from otel_llm.integrations.vllm.fields import FieldReader
+from otel_llm.integrations.vllm.channels import cause_channel, stream_channel
 from otel_llm.integrations.vllm.plan import engine_config
-from otel_llm.integrations.vllm.stream_translate import StreamTranslator
+from otel_llm.integrations.vllm.translation import stream_translate
+from otel_llm.integrations.vllm.translation.fields import FieldReader
+from otel_llm.integrations.vllm.translation.stream_translate import StreamTranslator
 from otel_llm.summary import ENGINE_DEAD, SHUTDOWN
 
 _log = logging.getLogger("otel_llm.integrations.vllm")

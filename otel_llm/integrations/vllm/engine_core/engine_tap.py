@@ -33,7 +33,7 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-from otel_llm.integrations.vllm import stream_channel
+from otel_llm.integrations.vllm.channels import stream_channel
 
 _log = logging.getLogger("otel_llm.integrations.vllm")
 

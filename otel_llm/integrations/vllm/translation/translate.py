@@ -2,7 +2,7 @@
 :class:`~otel_llm.events.StepStats` and per-iteration observations, each ``FinishedRequestStats``
 into a :class:`~otel_llm.summary.RequestSummary`. Which field of vLLM's feeds which of ours is a
 table (:data:`FINISHED_FIELDS`, :data:`ITERATION_COUNTS`, ...), read through
-:class:`~otel_llm.integrations.vllm.fields.FieldReader`: a field gone degrades the metric the
+:class:`~otel_llm.integrations.vllm.translation.fields.FieldReader`: a field gone degrades the metric the
 table names, with one warning.
 
 The adapter keeps each engine step as a :class:`VllmStep`; the telemetry hands the steps kept
@@ -20,9 +20,9 @@ from typing import Any, NamedTuple, Optional, Sequence
 from otel_llm.catalogue import drops
 from otel_llm.core.telemetry import EngineTelemetry
 from otel_llm.events import StepStats
-from otel_llm.integrations.vllm import attribution
-from otel_llm.integrations.vllm.fields import MISSING, FieldReader
-from otel_llm.integrations.vllm.traces import EndedRequest, RequestTrace, trace_of
+from otel_llm.integrations.vllm.frontend import attribution
+from otel_llm.integrations.vllm.frontend.traces import EndedRequest, RequestTrace, trace_of
+from otel_llm.integrations.vllm.translation.fields import MISSING, FieldReader
 from otel_llm.summary import ENGINE_DEAD, SHUTDOWN, PreemptionCause, RequestSummary
 
 DEFAULT_PREEMPTION_REASON = "kv_cache_full"  # vLLM preempts for KV cache space only
