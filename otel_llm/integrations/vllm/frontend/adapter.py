@@ -3,7 +3,7 @@ the core telemetry (one :class:`~otel_llm.core.telemetry.EngineTelemetry` per en
 and vLLM's own series beyond the core (:mod:`otel_llm.integrations.vllm.series.series`).
 
 What it records and how is decided once, at start (:mod:`.plan`); each engine step is then kept
-as a :class:`~otel_llm.integrations.vllm.translation.translate.VllmStep` by that engine's telemetry and
+as a :class:`~otel_llm.integrations.vllm.frontend.step_translator.VllmStep` by that engine's telemetry and
 translated with the steps kept beside it (:mod:`.translate`). Independent of vLLM's base
 classes, so it is testable without vLLM; :mod:`otel_llm.integrations.vllm.frontend.stat_logger` is the
 shell vLLM loads.
@@ -24,10 +24,10 @@ from otel_llm.catalogue.metrics import METRICS
 from otel_llm.core.telemetry import EngineTelemetry
 from otel_llm.integrations.vllm.frontend import attribution, traces
 from otel_llm.integrations.vllm.frontend import deep_hook as vllm_deep_hook
+from otel_llm.integrations.vllm.frontend.step_translator import StepTranslator, VllmStep
 from otel_llm.integrations.vllm.plan import make_plan, read_step_series
 from otel_llm.integrations.vllm.translation.enums import FINISH_REASONS
 from otel_llm.integrations.vllm.translation.fields import FieldReader
-from otel_llm.integrations.vllm.translation.translate import StepTranslator, VllmStep
 
 _log = logging.getLogger("otel_llm.integrations.vllm")  # one logger for the vLLM adapter, whichever module logs
 
