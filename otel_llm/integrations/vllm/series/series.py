@@ -6,7 +6,7 @@ exports many more: prefix and multi-modal cache counters, prompt tokens by sourc
 requests by reason, ``cache_config_info``, sleep state, admission rejections, estimated FLOPs
 and bytes, and, when the feature is on, speculative decoding, KV connector, LoRA and KV block
 metrics. Those are reproduced here *by vLLM's own code*: vLLM's ``PrometheusStatLogger`` built
-on recording families of our own (:mod:`~otel_llm.integrations.vllm.frontend.recording_logger`), so
+on recording families of our own (:mod:`~otel_llm.integrations.vllm.series.recording_logger`), so
 the families it declares are vLLM's for whatever vLLM version and settings are running.
 
 Families that the core telemetry already exports (``vllm:`` names of :data:`otel_llm.catalogue.metrics.METRICS`)
@@ -34,9 +34,9 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 from opentelemetry.metrics import Observation
 from opentelemetry.sdk.metrics.view import View
 
-from otel_llm.integrations.vllm.frontend.recording_logger import build_logger
 from otel_llm.integrations.vllm.series import series_instruments
 from otel_llm.integrations.vllm.series.families import Family
+from otel_llm.integrations.vllm.series.recording_logger import build_logger
 from otel_llm.integrations.vllm.series.registry_reader import RegistryReader
 
 __all__ = ["VllmSeries"]
