@@ -31,6 +31,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExport
 
 from otel_llm import _sdk
 from otel_llm._sdk.logs import BatchLogRecordProcessor, ConsoleLogRecordExporter, LoggerProvider, NoOpLoggerProvider
+from otel_llm.config import tenants
 from otel_llm.config.settings import DEFAULT_DEFER_STEPS, TelemetryConfig
 from otel_llm.core.telemetry import EngineTelemetry
 from otel_llm.export import env_checks, identity, otlp
@@ -95,6 +96,7 @@ def setup_telemetry(
     environ: Optional[Mapping[str, str]] = None,
     port_taken: str = "raise",
     serve_on: Optional["PrometheusEndpoint"] = None,
+    entry_point: Optional[str] = None,
 ) -> TelemetryHandle:
     """Build providers, readers and exporters, and the engine's :class:`EngineTelemetry`.
 
@@ -108,6 +110,10 @@ def setup_telemetry(
 
     ``serve_on``: a Prometheus endpoint another handle owns (providers of another resource in the
     same process): these metrics are served there, by a reader of their own, and no port is bound.
+
+    ``entry_point``: the engine's name in ``otel_llm.config.tenants.SOURCES_BY_ENTRY_POINT``, the
+    tenant sources its engine hands over; a tenant source (``OTEL_LLM_TENANT``) that does not reach
+    it, or any for an entry point not listed there, is refused with one warning.
     """
     if port_taken not in PORT_TAKEN:
         raise ValueError(f"port_taken: {port_taken!r} is not one of {PORT_TAKEN}")
@@ -141,7 +147,10 @@ def setup_telemetry(
         tracer_provider=tracer_provider,
         logger_provider=logger_provider,
         metric_path="in_process" if _sdk.in_process_metrics(config.exponential) else "sdk",
+        tenant_sources=tenants.SOURCES_BY_ENTRY_POINT.get(entry_point or "", ()),
+        entry_point=entry_point or "this engine",
     )
+    config = telemetry.config  # without a tenant source that does not reach the engine
     accounting.telemetry = telemetry
     _log.info(
         "otel_llm telemetry: metrics=%s traces=%s logs=%s prometheus=%s settings=%s",

@@ -29,7 +29,7 @@ def register(engine: Any, config: Optional[TelemetryConfig] = None, **setup_kwar
     if config is None:
         # The provider name tells engine_stub apart in a fleet of engines.
         config = TelemetryConfig.from_env(defaults={"model_name": MODEL_NAME, "provider_name": PROVIDER_NAME})
-    handle = setup_telemetry(config, **{"port_taken": "warn", **setup_kwargs})
+    handle = setup_telemetry(config, **{"port_taken": "warn", "entry_point": "engine_stub", **setup_kwargs})
     engine.hooks.subscribe(handle.telemetry)
     engine.telemetry_handle = handle
     return handle
