@@ -24,6 +24,7 @@ from otel_llm.cli.render import (
     print_worst_evictors,
     write_plot,
 )
+from otel_llm.cli.tenants_report import print_tenant_view
 from otel_llm.config.settings import TelemetryConfig
 from otel_llm.stack.drilldown import Stack, drill_down, print_drilldown, telemetry_settings
 
@@ -61,7 +62,8 @@ class RequestTraces(SpanProcessor):
                 self.completed += "llm.request.incomplete" not in attributes
 
 
-def _histogram_point(reader: InMemoryMetricReader, name: str) -> Any:
+def _histogram(reader: InMemoryMetricReader, name: str) -> PreemptionHistogram:
+    """``name``'s histogram, summed over its series (one per tenant with --tenants)."""
     data = reader.get_metrics_data()
     points = [
         point
@@ -71,9 +73,11 @@ def _histogram_point(reader: InMemoryMetricReader, name: str) -> Any:
         if metric.name == name
         for point in metric.data.data_points
     ]
-    if len(points) != 1:
-        raise RuntimeError(f"expected one {name} series, found {len(points)}")
-    return points[0]
+    if not points:
+        raise RuntimeError(f"no {name} series")
+    parts = [PreemptionHistogram.from_point(p) for p in points]
+    counts = [sum(column) for column in zip(*(h.counts for h in parts))]
+    return PreemptionHistogram(parts[0].bounds, counts, sum(h.count for h in parts), sum(h.sum for h in parts))
 
 
 def _otlp_configured() -> bool:
@@ -124,7 +128,8 @@ def demo(args: argparse.Namespace, stack: Optional[Stack] = None) -> int:
             "prometheus_port": args.prometheus_port,
         }
     )
-    config = TelemetryConfig.from_env(defaults={"model_name": MODEL_NAME}, **exporters)
+    tenants = {"tenant": "priority"} if args.tenants else {}  # OTEL_LLM_TENANT may name another source
+    config = TelemetryConfig.from_env(defaults={"model_name": MODEL_NAME, **tenants}, **exporters)
     engine_config = EngineConfig(
         num_kv_blocks=args.kv_blocks,
         block_size=args.block_size,
@@ -132,6 +137,7 @@ def demo(args: argparse.Namespace, stack: Optional[Stack] = None) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         seed=args.seed,
         load_plugins=False,  # registered below with our readers; the entry point would add a second
+        scheduling_policy="priority" if args.tenants else "fcfs",
     )
     engine = Engine(engine_config)
     reader = InMemoryMetricReader()
@@ -149,7 +155,7 @@ def demo(args: argparse.Namespace, stack: Optional[Stack] = None) -> int:
     progress: Optional[Progress] = None
     with stop_on_sigterm() as stop:
         try:
-            spec = WorkloadSpec(num_requests=args.requests, rate=args.rate, seed=args.seed)
+            spec = WorkloadSpec(num_requests=args.requests, rate=args.rate, seed=args.seed, num_tenants=args.tenants)
             requests = generate(spec, engine_config.num_kv_blocks * engine_config.block_size)
             progress = None if args.no_progress else Progress(len(requests))
             started = time.time()
@@ -159,6 +165,8 @@ def demo(args: argparse.Namespace, stack: Optional[Stack] = None) -> int:
                 progress.close()
             handle.force_flush()
             print_summary(args, config, engine, result, reader, traces)
+            if args.tenants:
+                print_tenant_view(handle.config, requests, result.outputs, reader)
             if stack is not None:
                 suffered, caused = (BY_KEY[key].name(config.naming) for key in HISTOGRAMS)
                 sections = [
@@ -204,7 +212,7 @@ def print_summary(
     traces: RequestTraces,
 ) -> None:
     histogram_name = BY_KEY["request_num_preemptions"].name(config.naming)
-    histogram = PreemptionHistogram.from_point(_histogram_point(reader, histogram_name))
+    histogram = _histogram(reader, histogram_name)
     ground_truth = [o.num_preemptions for o in result.outputs]
     # The engine records who evicted whom at its preemption point: the telemetry must say the same.
     evicted: dict[str, Counter[str]] = defaultdict(Counter)

@@ -225,3 +225,15 @@ def test_a_source_engine_stub_cannot_hand_over_is_refused_with_one_warning(caplo
         ]
     finally:
         handle.shutdown()
+
+
+@PATHS
+def test_exemplars_on_a_tenants_series_lead_to_its_own_requests_traces(metric_path: str) -> None:
+    r, outputs = _run("priority", metric_path)
+    tenant_of_trace = {r.span(rid).context.trace_id: str(int(rid[4:]) % 3) for rid in outputs}
+    m = r.metrics()
+    for key in ("request_num_preemptions", "e2e_request_latency_seconds", "time_to_first_token_seconds"):
+        for t in ("0", "1", "2"):
+            exemplars = m.point(key, tenant=t).exemplars
+            assert exemplars, (key, t)
+            assert {tenant_of_trace[e.trace_id] for e in exemplars} == {t}, (key, t)
