@@ -23,10 +23,14 @@ UNSET = "unset"  # the request carried no value for the source (e.g. no such hea
 NO_CAUSE = "none"  # cause_tenant of a preemption no request caused (cache reset) or of unknown cause
 MAX_VALUE_LENGTH = 64
 
-# The sources each entry point's engine hands over per request. engine_stub is no HTTP server:
-# no headers; baggage comes with the trace context a caller passes to ``add_request``.
+# The sources each entry point's engine hands over per request (what otel-llm doctor reports).
+# engine_stub is no HTTP server: no headers; baggage comes with the trace context a caller passes
+# to ``add_request``. vLLM's and transformers' entry points hand over none yet: every source is
+# refused there.
 SOURCES_BY_ENTRY_POINT: dict[str, tuple[str, ...]] = {
     "engine_stub": ("priority", "lora", "model", "baggage"),
+    "vllm": (),
+    "transformers": (),
 }
 
 _TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")  # an HTTP header name (RFC 9110 token)

@@ -31,7 +31,6 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExport
 
 from otel_llm import _sdk
 from otel_llm._sdk.logs import BatchLogRecordProcessor, ConsoleLogRecordExporter, LoggerProvider, NoOpLoggerProvider
-from otel_llm.config import tenants
 from otel_llm.config.settings import DEFAULT_DEFER_STEPS, TelemetryConfig
 from otel_llm.core.telemetry import EngineTelemetry
 from otel_llm.export import env_checks, identity, otlp
@@ -96,7 +95,8 @@ def setup_telemetry(
     environ: Optional[Mapping[str, str]] = None,
     port_taken: str = "raise",
     serve_on: Optional["PrometheusEndpoint"] = None,
-    entry_point: Optional[str] = None,
+    tenant_sources: Sequence[str] = (),
+    entry_point: str = "this engine",
 ) -> TelemetryHandle:
     """Build providers, readers and exporters, and the engine's :class:`EngineTelemetry`.
 
@@ -111,9 +111,10 @@ def setup_telemetry(
     ``serve_on``: a Prometheus endpoint another handle owns (providers of another resource in the
     same process): these metrics are served there, by a reader of their own, and no port is bound.
 
-    ``entry_point``: the engine's name in ``otel_llm.config.tenants.SOURCES_BY_ENTRY_POINT``, the
-    tenant sources its engine hands over; a tenant source (``OTEL_LLM_TENANT``) that does not reach
-    it, or any for an entry point not listed there, is refused with one warning.
+    ``tenant_sources``: the tenant sources (``otel_llm.config.tenants.KINDS``) the engine hands over
+    per request (``RequestEvent.tenant_facts``); a tenant source (``OTEL_LLM_TENANT``) among none of
+    them is refused with one warning naming ``entry_point`` (an engine that hands over none: every
+    source refused).
     """
     if port_taken not in PORT_TAKEN:
         raise ValueError(f"port_taken: {port_taken!r} is not one of {PORT_TAKEN}")
@@ -147,8 +148,8 @@ def setup_telemetry(
         tracer_provider=tracer_provider,
         logger_provider=logger_provider,
         metric_path="in_process" if _sdk.in_process_metrics(config.exponential) else "sdk",
-        tenant_sources=tenants.SOURCES_BY_ENTRY_POINT.get(entry_point or "", ()),
-        entry_point=entry_point or "this engine",
+        tenant_sources=tenant_sources,
+        entry_point=entry_point,
     )
     config = telemetry.config  # without a tenant source that does not reach the engine
     accounting.telemetry = telemetry

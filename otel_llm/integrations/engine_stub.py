@@ -10,11 +10,13 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from otel_llm.config.settings import TelemetryConfig
+from otel_llm.config.tenants import SOURCES_BY_ENTRY_POINT
 from otel_llm.export.handle import TelemetryHandle
 from otel_llm.export.setup import setup_telemetry
 
 MODEL_NAME = "engine_stub-tiny"  # the model_name label unless OTEL_LLM_MODEL_NAME says otherwise
 PROVIDER_NAME = "engine_stub"  # gen_ai.provider.name unless OTEL_LLM_PROVIDER_NAME says otherwise
+ENTRY_POINT = "engine_stub"  # its tenant sources: otel_llm.config.tenants.SOURCES_BY_ENTRY_POINT
 
 
 def register(engine: Any, config: Optional[TelemetryConfig] = None, **setup_kwargs: Any) -> TelemetryHandle:
@@ -29,7 +31,8 @@ def register(engine: Any, config: Optional[TelemetryConfig] = None, **setup_kwar
     if config is None:
         # The provider name tells engine_stub apart in a fleet of engines.
         config = TelemetryConfig.from_env(defaults={"model_name": MODEL_NAME, "provider_name": PROVIDER_NAME})
-    handle = setup_telemetry(config, **{"port_taken": "warn", "entry_point": "engine_stub", **setup_kwargs})
+    sources = {"entry_point": ENTRY_POINT, "tenant_sources": SOURCES_BY_ENTRY_POINT[ENTRY_POINT]}
+    handle = setup_telemetry(config, **{"port_taken": "warn", **sources, **setup_kwargs})
     engine.hooks.subscribe(handle.telemetry)
     engine.telemetry_handle = handle
     return handle

@@ -52,6 +52,23 @@ def test_the_otlp_endpoint_set_is_tried() -> None:
     assert text.rstrip().endswith("not attached or not reachable: OTLP endpoint")
 
 
+def test_the_tenant_source_and_where_it_reaches() -> None:
+    status, text = run({**BASE, "OTEL_LLM_TENANT": "priority", "OTEL_LLM_TENANT_MAX_VALUES": "8"})
+    assert status == 0, text
+    assert "  tenant priority (at most 8 values): reaches engine_stub\n" in text
+    status, text = run({**BASE, "OTEL_LLM_TENANT": "header:X-Team"})
+    assert status == 1, text
+    assert (
+        "  tenant header:x-team (at most 20 values): reaches none of the entry points here; refused by "
+        "engine_stub hands over priority, lora, model, baggage\n"
+    ) in text
+    assert text.rstrip().endswith("not attached or not reachable: tenant source")
+    status, text = run({**BASE})
+    assert "  tenant: none (OTEL_LLM_TENANT unset: no tenant label)\n" in text
+    status, text = run({**BASE, "OTEL_LLM_TENANT": "cookie:x"})
+    assert status == 2 and "OTEL_LLM_TENANT='cookie:x'" in text, text
+
+
 def test_python_dash_m_otel_llm_doctor() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "otel_llm", "doctor"],
