@@ -16,7 +16,6 @@ from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 from otel_llm.catalogue.metrics import BY_KEY
 from otel_llm.cli.render import (
     THRASHING,
-    PreemptionHistogram,
     Progress,
     print_chart,
     print_fields,
@@ -24,7 +23,7 @@ from otel_llm.cli.render import (
     print_worst_evictors,
     write_plot,
 )
-from otel_llm.cli.tenants_report import print_tenant_view
+from otel_llm.cli.tenants_report import print_tenant_view, summed_histogram
 from otel_llm.config.settings import TelemetryConfig
 from otel_llm.stack.drilldown import Stack, drill_down, print_drilldown, telemetry_settings
 
@@ -62,8 +61,7 @@ class RequestTraces(SpanProcessor):
                 self.completed += "llm.request.incomplete" not in attributes
 
 
-def _histogram(reader: InMemoryMetricReader, name: str) -> PreemptionHistogram:
-    """``name``'s histogram, summed over its series (one per tenant with --tenants)."""
+def _histogram_point(reader: InMemoryMetricReader, name: str) -> Any:
     data = reader.get_metrics_data()
     points = [
         point
@@ -73,11 +71,9 @@ def _histogram(reader: InMemoryMetricReader, name: str) -> PreemptionHistogram:
         if metric.name == name
         for point in metric.data.data_points
     ]
-    if not points:
-        raise RuntimeError(f"no {name} series")
-    parts = [PreemptionHistogram.from_point(p) for p in points]
-    counts = [sum(column) for column in zip(*(h.counts for h in parts))]
-    return PreemptionHistogram(parts[0].bounds, counts, sum(h.count for h in parts), sum(h.sum for h in parts))
+    if len(points) != 1:
+        raise RuntimeError(f"expected one {name} series, found {len(points)}")
+    return points[0]
 
 
 def _otlp_configured() -> bool:
@@ -212,7 +208,7 @@ def print_summary(
     traces: RequestTraces,
 ) -> None:
     histogram_name = BY_KEY["request_num_preemptions"].name(config.naming)
-    histogram = _histogram(reader, histogram_name)
+    histogram = summed_histogram(reader.get_metrics_data(), histogram_name)
     ground_truth = [o.num_preemptions for o in result.outputs]
     # The engine records who evicted whom at its preemption point: the telemetry must say the same.
     evicted: dict[str, Counter[str]] = defaultdict(Counter)

@@ -48,6 +48,16 @@ def _points(data: Any, name: str) -> Iterable[Any]:
                     yield from metric.data.data_points
 
 
+def summed_histogram(data: Any, name: str) -> PreemptionHistogram:
+    """``name``'s histogram in one collection (``MetricsData``), summed over its series (one per
+    tenant with a tenant source, else one)."""
+    parts = [PreemptionHistogram.from_point(p) for p in _points(data, name)]
+    if not parts:
+        raise RuntimeError(f"no {name} series")
+    counts = [sum(column) for column in zip(*(h.counts for h in parts))]
+    return PreemptionHistogram(parts[0].bounds, counts, sum(h.count for h in parts), sum(h.sum for h in parts))
+
+
 def engine_matrix(outputs: Iterable[Any], tenant_of: Mapping[str, str]) -> Counter[tuple[str, str]]:
     """The matrix from the engine's record (each output's ``preempted_by``: the cause of each of
     its preemptions) and each request's tenant."""

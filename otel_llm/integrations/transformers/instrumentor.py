@@ -67,13 +67,19 @@ class _Telemetry:
             if telemetry is None:
                 config = dataclasses.replace(self.config, model_name=name)
                 meter_provider, tracer_provider = self.providers
-                sources = {"entry_point": "transformers", "tenant_sources": SOURCES_BY_ENTRY_POINT["transformers"]}
+                sources = SOURCES_BY_ENTRY_POINT["transformers"]
                 if meter_provider is not None or tracer_provider is not None:
                     telemetry = EngineTelemetry(
-                        config, meter_provider=meter_provider, tracer_provider=tracer_provider, **sources
+                        config,
+                        meter_provider=meter_provider,
+                        tracer_provider=tracer_provider,
+                        tenant_sources=sources,
+                        entry_point="transformers",
                     )
                 elif self.handle is None:
-                    self.handle = setup_telemetry(config, port_taken="warn", **sources)
+                    self.handle = setup_telemetry(
+                        config, port_taken="warn", tenant_sources=sources, entry_point="transformers"
+                    )
                     telemetry = self.handle.telemetry
                 else:
                     telemetry = self.handle.new_telemetry(model_name=name)
