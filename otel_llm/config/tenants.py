@@ -59,7 +59,7 @@ def parse_source(text: str) -> TenantSource:
         raise ValueError(f"must be one of priority, lora, model, header:NAME, baggage:KEY (got kind {kind!r})")
     if kind in KEYED:
         if not key or not _TOKEN.match(key):
-            raise ValueError(f"{kind}: needs a name after the colon, letters, digits and -_. only ({kind}:NAME)")
+            raise ValueError(f"{kind}: needs a name after the colon, with no space or separator ({kind}:NAME)")
         return TenantSource(kind, key.lower() if kind == "header" else key)
     if colon:
         raise ValueError(f"{kind} takes no name after a colon")

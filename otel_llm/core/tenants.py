@@ -35,7 +35,11 @@ class TenantResolver:
         self._overflowed = False
 
     def resolve(self, facts: Optional[Mapping[str, Any]], carrier: Optional[Mapping[str, str]]) -> str:
-        value = tenants.clean(self._raw(facts or {}, carrier))
+        try:  # whatever an engine hands over, the request gets a tenant (never an exception)
+            facts = facts if isinstance(facts, Mapping) else {}
+            value = tenants.clean(self._raw(facts, carrier if isinstance(carrier, Mapping) else None))
+        except Exception:  # noqa: BLE001 - e.g. a fact whose str() raises
+            value = tenants.INVALID
         if value in self._seen or value in _RESERVED:
             return value
         if len(self._seen) >= self.max_values:

@@ -175,7 +175,7 @@ _REQUEST_COUNTERS = ("prompt_tokens", "generation_tokens", "aborted_generation_t
 
 class _RequestObservations:
     """A request's observations (:class:`~otel_llm.recording.recorder.RequestSeries`), into the
-    counts and cells of ``self``: the recorder's own, or one tenant's (:class:`TenantSeries`)."""
+    counts and cells of ``self``: the recorder's own, or one tenant's (:class:`InProcessTenantSeries`)."""
 
     counts: dict[str, int]
     by_finish: dict[str, int]
@@ -217,7 +217,7 @@ class _RequestObservations:
                 cell.observe(value, exemplar)
 
 
-class TenantSeries(_RequestObservations):
+class InProcessTenantSeries(_RequestObservations):
     """One tenant's request-scoped series: the recorder's cells and counts for the metrics
     that are per tenant (``MetricDef.per_tenant``) under ``attributes`` (the recorder's and the
     tenant label), its own for the others (shared with every tenant)."""
@@ -283,7 +283,7 @@ class InProcessRecorder(_RequestObservations):
         self._label_keys = {key: label_key(config, BY_KEY[key].label or "") for key in self.labelled}
         self.tenant_key = label_key(config, "tenant")
         # With a tenant source: each tenant's series (bounded by the tenant resolver's cap).
-        self.tenants: dict[str, TenantSeries] = {}
+        self.tenants: dict[str, InProcessTenantSeries] = {}
         self._per_tenant = config.tenant is not None
         self.by_reason = self.labelled["num_preemptions_by_reason"]
         self.by_finish = self.labelled["request_success"]
@@ -336,10 +336,10 @@ class InProcessRecorder(_RequestObservations):
             values.extend(series.counter_values(key))
         return values
 
-    def for_tenant(self, tenant: str) -> TenantSeries:
+    def for_tenant(self, tenant: str) -> InProcessTenantSeries:
         series = self.tenants.get(tenant)
         if series is None:
-            series = self.tenants[tenant] = TenantSeries(self, tenant)
+            series = self.tenants[tenant] = InProcessTenantSeries(self, tenant)
         return series
 
     def gauge_value(self, key: str) -> Optional[float]:

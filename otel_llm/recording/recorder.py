@@ -44,7 +44,7 @@ class RequestSeries(Protocol):
     def finished(self, summary: RequestSummary, exemplar: Optional[ExemplarIds], ctx: Any) -> None: ...
 
 
-class TenantSeries(RequestSeries, Protocol):
+class TenantRequestSeries(RequestSeries, Protocol):
     def preempted_by_tenant(self, cause_tenant: str) -> None:
         """One preemption of a request of this tenant, caused by a request of ``cause_tenant``."""
         ...
@@ -74,7 +74,7 @@ class Recorder(Protocol):
         """One finished request: ``request_success`` and every per-request histogram."""
         ...
 
-    def for_tenant(self, tenant: str) -> "TenantSeries":
+    def for_tenant(self, tenant: str) -> "TenantRequestSeries":
         """The series of requests of ``tenant`` (the config's tenant source is set)."""
         ...
 

@@ -86,3 +86,15 @@ def test_baggage_entry_reads_w3c_members() -> None:
     assert baggage_entry("a=1,b=2;x", "b") == "2"
     assert baggage_entry("", "b") is None
     assert baggage_entry("novalue,b", "b") is None
+
+
+class _Unprintable:
+    def __str__(self) -> str:
+        raise RuntimeError("no")
+
+
+def test_what_an_engine_hands_over_never_raises() -> None:
+    resolve = TenantResolver(parse_source("priority"), 20, "tiny").resolve
+    assert resolve(["not", "a", "mapping"], None) == "unset"  # type: ignore[arg-type]
+    assert resolve({"priority": _Unprintable()}, None) == "invalid"
+    assert TenantResolver(parse_source("baggage:k"), 20, "tiny").resolve(None, "k=v") == "unset"  # type: ignore[arg-type]
