@@ -98,3 +98,26 @@ def test_what_an_engine_hands_over_never_raises() -> None:
     assert resolve(["not", "a", "mapping"], None) == "unset"  # type: ignore[arg-type]
     assert resolve({"priority": _Unprintable()}, None) == "invalid"
     assert TenantResolver(parse_source("baggage:k"), 20, "tiny").resolve(None, "k=v") == "unset"  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("metric_path", ["in_process", "sdk"])
+def test_ten_thousand_distinct_header_values_stay_within_the_cap(metric_path: str) -> None:
+    import dataclasses
+
+    from otel_llm.testing import in_memory_telemetry
+    from otel_llm.testing.synthetic import lifecycle
+
+    r = in_memory_telemetry(TelemetryConfig(model_name="tiny", tenant="header:x-team"), metric_path=metric_path)
+    n = 10_000
+    for i in range(n):
+        events = lifecycle(f"r{i}", float(i), preemptions=i % 2)
+        events[0] = dataclasses.replace(events[0], tenant_facts={"header:x-team": f"team-{i}"})
+        r.telemetry.on_events(events)
+    m = r.metrics()
+    by_tenant = {p.attributes["tenant"]: p.value for p in m.points("request_success")}
+    assert by_tenant == {**{f"team-{i}": 1 for i in range(20)}, "other": n - 20}
+    assert {p.attributes["tenant"] for p in m.points("request_num_preemptions")} == set(by_tenant)
+    matrix = {
+        (p.attributes["tenant"], p.attributes["cause_tenant"]): p.value for p in m.points("num_preemptions_by_tenant")
+    }
+    assert matrix == {**{(f"team-{i}", "none"): 1 for i in range(1, 20, 2)}, ("other", "none"): (n - 20) // 2}
