@@ -1,10 +1,12 @@
-"""Export to the OTLP endpoint given by the standard variables, then flush and exit.
+"""Export to the OTLP endpoint given by the standard variables, then flush and say what was
+delivered; exit status 1, naming what was not, when the endpoint did not take it all.
 
 OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:4317 python examples/export_otlp.py
 OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:4318 \\
     python examples/export_otlp.py
 """
 
+import sys
 import time
 
 from otel_llm import TelemetryConfig, setup_telemetry
@@ -24,6 +26,14 @@ for i, preemptions in enumerate((0, 1, 3)):
         ]
     events += [RequestEvent(E.TOKENS, rid, t, num_tokens=1), RequestEvent(E.FINISHED, rid, t, finish_reason="stop")]
     handle.telemetry.on_events(events)
-ok = handle.force_flush()
-handle.shutdown()
-print(f"exported 3 requests, flush {'ok' if ok else 'FAILED'}")
+handle.shutdown()  # flushes; the exporters' results are counted in handle.accounting
+assert handle.accounting is not None  # built with every OTLP exporter
+lost = handle.accounting.dropped_so_far()
+if lost:
+    print(
+        "recorded 3 requests; NOT delivered: " + ", ".join(f"{reason}={n}" for reason, n in sorted(lost.items())),
+        file=sys.stderr,
+    )
+    sys.exit(1)
+delivered = handle.accounting.exported
+print(f"exported 3 requests: {delivered.get('spans', 0)} spans, {delivered.get('metric_points', 0)} metric points")

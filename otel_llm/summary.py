@@ -28,7 +28,8 @@ class RequestSummary:
     ``None`` means unknown (e.g. a request aborted before it was scheduled has no queue time);
     unknown values are not observed. ``preemptions`` lists (timestamp, num_computed_tokens,
     reason) where the source knows them, and ``preemption_causes`` their causes in the same
-    order (missing ones are unknown), for a source that does not report them as events.
+    order (missing ones are unknown), for a source that does not report them as events, and
+    ``resumptions`` the times it was scheduled again after them.
     ``preemptions_by_cause``: the request's preemptions by cause kind, as (kind, count) pairs
     (what they leave out is unknown); ``num_preemptions_caused``: the preemptions, of any
     request, itself included, that this request's KV demand caused. ``incomplete`` says why a
@@ -54,6 +55,7 @@ class RequestSummary:
     recomputed_tokens: int = 0
     cached_tokens: int = 0
     preemptions: tuple[tuple[float, int, str], ...] = ()
+    resumptions: tuple[float, ...] = ()  # when it was scheduled again after each preemption, in order
     preemption_causes: tuple[PreemptionCause, ...] = ()
     preemptions_by_cause: tuple[tuple[str, int], ...] = ()
     num_preemptions_caused: int = 0

@@ -14,9 +14,10 @@ chunk per token.
 Variants, interleaved round by round in this one process (the order rotated each round):
 
 - ``stock``: vLLM alone (its ``PrometheusStatLogger`` and ``LoggingStatLogger``);
-- ``metrics``: + the plugin, metrics only (no span, no exporter: read at collection);
-- ``spans``: + one span per request (made and ended, no exporter);
-- ``deep_hook``: + ``OTEL_LLM_VLLM_DEEP_HOOK=1``;
+- ``metrics``: + the plugin, metrics only (no span, no exporter: read at collection), its deep
+  hook off (``OTEL_LLM_VLLM_DEEP_HOOK=0``);
+- ``spans``: + one span per request (made and ended, no exporter), the deep hook still off;
+- ``deep_hook``: + the deep hook (``OTEL_LLM_VLLM_DEEP_HOOK=1``, as by default);
 - ``otlp``: + metrics and traces over OTLP/HTTP to a loopback receiver (rotel, another process);
   each round ends with the plugin's flush (its spans and one metrics export: one per round);
 - ``each_step``: ``otlp`` with ``OTEL_LLM_DEFER_STEPS=1``: each engine step's stats translated as

@@ -23,11 +23,13 @@ from .scripted_core import ScriptedCore
 VARIANTS = ("stock", "metrics", "spans", "deep_hook", "otlp", "each_step", "replace")
 MODEL_NAME = "tiny"
 
-# The plugin's settings per variant (everything else unset); None: the plugin not loaded.
+# The plugin's settings per variant (everything else unset); None: the plugin not loaded. The deep
+# hook is on by default: the variants before it turn it off.
+_NO_DEEP_HOOK = {"OTEL_LLM_VLLM_DEEP_HOOK": "0", "OTEL_METRICS_EXPORTER": "none", "OTEL_TRACES_EXPORTER": "none"}
 _PLUGIN_ENV: dict[str, Optional[dict[str, str]]] = {
     "stock": None,
-    "metrics": {"OTEL_LLM_SPANS": "false", "OTEL_METRICS_EXPORTER": "none", "OTEL_TRACES_EXPORTER": "none"},
-    "spans": {"OTEL_METRICS_EXPORTER": "none", "OTEL_TRACES_EXPORTER": "none"},
+    "metrics": {**_NO_DEEP_HOOK, "OTEL_LLM_SPANS": "false"},
+    "spans": _NO_DEEP_HOOK,
     "deep_hook": {"OTEL_METRICS_EXPORTER": "none", "OTEL_TRACES_EXPORTER": "none", "OTEL_LLM_VLLM_DEEP_HOOK": "1"},
     "otlp": {"OTEL_METRICS_EXPORTER": "otlp", "OTEL_TRACES_EXPORTER": "otlp", "OTEL_LLM_VLLM_DEEP_HOOK": "1"},
     "each_step": {

@@ -25,6 +25,7 @@ from otel_llm.cli.render import (
 )
 from otel_llm.cli.tenants_report import print_tenant_view, summed_histogram
 from otel_llm.config.settings import TelemetryConfig
+from otel_llm.export.setup import without_prometheus
 from otel_llm.stack.drilldown import Stack, drill_down, print_drilldown, telemetry_settings
 
 HISTOGRAMS = ("request_num_preemptions", "request_num_preemptions_caused")  # drilled down into on --stack
@@ -87,6 +88,17 @@ def _otlp_configured() -> bool:
     )
 
 
+def where_traces_are() -> str:
+    """Where the trace ids the summary lists can be looked up (``--stack`` shows them itself)."""
+    if _otlp_configured():
+        endpoint = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+        return f"the trace ids above: the request spans went over OTLP to {endpoint or 'the default endpoint'}"
+    return (
+        "the trace ids above: this run exported no spans; `make demo-stack` shows them in a local Phoenix "
+        "(and each bucket in Prometheus), or OTEL_EXPORTER_OTLP_ENDPOINT=<your collector> sends them there"
+    )
+
+
 def demo(args: argparse.Namespace, stack: Optional[Stack] = None) -> int:
     """The demo; with ``stack`` (``--stack``), its telemetry goes to that Prometheus and Phoenix,
     and the drill-down from them follows the summary."""
@@ -138,15 +150,21 @@ def demo(args: argparse.Namespace, stack: Optional[Stack] = None) -> int:
     engine = Engine(engine_config)
     reader = InMemoryMetricReader()
     traces = RequestTraces()
+    readers = {"extra_metric_readers": [reader], "extra_span_processors": [traces]}
     try:
-        handle = register(engine, config, extra_metric_readers=[reader], extra_span_processors=[traces])
+        handle = register(engine, config, port_taken="raise", **readers)
     except OSError as exc:
+        where, why = f"{args.prometheus_host}:{args.prometheus_port}", os.strerror(exc.errno) if exc.errno else exc
+        if stack is not None:  # the stack's Prometheus scrapes that port: nothing to show without it
+            print(f"otel-llm demo: cannot serve /metrics on {where} ({why})", file=sys.stderr)
+            return 2
         print(
-            f"otel-llm demo: cannot serve /metrics on {args.prometheus_host}:{args.prometheus_port} ({exc});"
-            " choose another --prometheus-port",
+            f"otel-llm demo: port {where} is taken ({why}): this run serves no /metrics; "
+            "--prometheus-port 0 picks a free port",
             file=sys.stderr,
         )
-        return 2
+        config = without_prometheus(config)
+        handle = register(engine, config, **readers)
 
     progress: Optional[Progress] = None
     with stop_on_sigterm() as stop:
@@ -163,7 +181,9 @@ def demo(args: argparse.Namespace, stack: Optional[Stack] = None) -> int:
             print_summary(args, config, engine, result, reader, traces)
             if args.tenants:
                 print_tenant_view(handle.config, requests, result.outputs, reader)
-            if stack is not None:
+            if stack is None:
+                print(where_traces_are(), end="\n\n", flush=True)
+            else:
                 suffered, caused = (BY_KEY[key].name(config.naming) for key in HISTOGRAMS)
                 sections = [
                     (title, unit, drill_down(stack, histogram, requests, args.top, started))
@@ -174,7 +194,7 @@ def demo(args: argparse.Namespace, stack: Optional[Stack] = None) -> int:
                 ]
                 print_drilldown(sections, len(requests))
                 print(flush=True)
-            if args.serve_seconds > 0:
+            if args.serve_seconds > 0 and handle.prometheus is not None:
                 url = f"http://{args.prometheus_host}:{handle.prometheus_port}/metrics"
                 if stack is not None:
                     print(

@@ -13,12 +13,13 @@ from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, entry_points, version
 from typing import Callable, Mapping, Optional, TextIO
 
-from otel_llm.config.settings import TelemetryConfig, from_environment
+from otel_llm.config.settings import TelemetryConfig
 from otel_llm.config.tenants import SOURCES_BY_ENTRY_POINT
+from otel_llm.export.settings_check import check_settings
 from otel_llm.version import __version__
 
 CONNECT_TIMEOUT_S = 2.0
-DEFAULT_ENDPOINTS = {"grpc": "http://localhost:4317", "http/protobuf": "http://localhost:4318/v1/metrics"}
+DEFAULT_ENDPOINTS = {"grpc": "http://localhost:4317", "http/protobuf": "http://localhost:4318/v1/{signal}"}
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,7 @@ def vllm_parts(environ: Mapping[str, str]) -> list[Part]:
             "vLLM deep hook",
             _checked(deep_hook.shape_problem),
             deep,
-            f"per-preemption times ({deep_hook.ENV}=1)",
+            f"a span event per preemption, its time and cause (on unless {deep_hook.ENV}=0)",
         ),
         Part(
             "vLLM frontend part",
@@ -154,12 +155,17 @@ def tenant_reach(config: TelemetryConfig, entry_points: list[str]) -> tuple[str,
     return line + (f"; refused by {why}" if refused else ""), refused
 
 
-def _otlp_endpoint(config: TelemetryConfig, environ: Mapping[str, str]) -> tuple[str, Optional[str]]:
-    """The metrics' OTLP protocol and endpoint; None: none set, the SDK's default is used."""
+def _otlp_targets(config: TelemetryConfig, environ: Mapping[str, str], signals: list[str]) -> dict[str, list[str]]:
+    """Each OTLP destination ("protocol endpoint", "(default)" marked) and the signals sent there."""
     from otel_llm.export import otlp
 
-    protocol = otlp.protocol(config, environ, "metrics")
-    return protocol, otlp.endpoint(config, environ, "metrics", protocol)
+    targets: dict[str, list[str]] = {}
+    for signal in signals:
+        protocol = otlp.protocol(config, environ, signal)
+        endpoint = otlp.endpoint(config, environ, signal, protocol)
+        where = endpoint or DEFAULT_ENDPOINTS[protocol].format(signal=signal) + " (default)"
+        targets.setdefault(f"{protocol} {where}", []).append(signal)
+    return targets
 
 
 def answers(endpoint: str) -> Optional[str]:
@@ -176,13 +182,11 @@ def answers(endpoint: str) -> Optional[str]:
 def doctor(out: TextIO, environ: Optional[Mapping[str, str]] = None) -> int:
     environ = os.environ if environ is None else environ
     print(f"otel-llm doctor: otel-llm {__version__}, Python {platform.python_version()}", file=out)
-    try:
-        config = TelemetryConfig.from_env(environ)
-        for var in ("OTEL_LLM_VLLM_DEEP_HOOK", "OTEL_LLM_VLLM_METRICS"):
-            from_environment(var, environ)
-    except ValueError as exc:
-        print(f"bad setting: {exc}", file=out)
+    problem = check_settings(environ)
+    if problem is not None:
+        print(f"bad setting: {problem}", file=out)
         return 2
+    config = TelemetryConfig.from_env(environ)
 
     from otel_llm.integrations.vllm import package
 
@@ -227,15 +231,18 @@ def doctor(out: TextIO, environ: Optional[Mapping[str, str]] = None) -> int:
             config.prometheus_port or DEFAULT_PROMETHEUS_PORT,
         )
         print(f"  Prometheus endpoint http://{host}:{port}/metrics", file=out)
-    unreachable = False  # an endpoint set that does not answer (the SDK's default: a note only)
-    if "otlp" in (*metrics, *traces) and not environ.get("OTEL_SDK_DISABLED", "").lower() == "true":
-        protocol, endpoint = _otlp_endpoint(config, environ)
-        refused = answers(endpoint or DEFAULT_ENDPOINTS[protocol])
-        state = "answers" if refused is None else f"does not answer ({refused})"
-        unreachable = refused is not None and endpoint is not None
-        print(f"  OTLP {protocol} {endpoint or DEFAULT_ENDPOINTS[protocol] + ' (default)'}: {state}", file=out)
+    unreachable: list[str] = []  # the signals whose OTLP endpoint does not answer: they would be lost
+    over_otlp = [signal for signal, names in (("metrics", metrics), ("traces", traces)) if "otlp" in names]
+    if over_otlp and not config.sdk_disabled:
+        for target, signals in _otlp_targets(config, environ, over_otlp).items():
+            refused = answers(target.split()[1])
+            state = "answers" if refused is None else f"does not answer ({refused})"
+            print(f"  OTLP {target}: {state} ({', '.join(signals)})", file=out)
+            unreachable += signals if refused is not None else []
 
-    failures = [p.name.strip() for p in parts if p.status == "FAIL"] + (["OTLP endpoint"] if unreachable else [])
+    failures = [p.name.strip() for p in parts if p.status == "FAIL"] + [
+        f"OTLP endpoint of the {signal}" for signal in unreachable
+    ]
     failures += ["tenant source"] if tenant_refused else []
     print(
         f"\n{'not attached or not reachable: ' + ', '.join(failures) if failures else 'everything asked for attaches'}",

@@ -6,10 +6,10 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from otel_llm.cli.demo import demo
-from otel_llm.cli.demo_stack import demo_on_stack
-from otel_llm.cli.demo_vllm import demo_vllm
-from otel_llm.cli.doctor import doctor
+# The commands are imported once the settings are checked: the OpenTelemetry SDK reads some
+# OTEL_* variables as it is imported, and logs its own line about a bad one.
+from otel_llm.export.settings_check import check_settings
+from otel_llm.version import __version__
 
 DESCRIPTION = (
     "otel-llm: OpenTelemetry instrumentation for LLM serving engines. Its demos run an engine "
@@ -36,12 +36,29 @@ def _demo(args: argparse.Namespace) -> int:
 
         return demo_transformers(args)
     if args.stack:
+        from otel_llm.cli.demo_stack import demo_on_stack
+
         return demo_on_stack(args)
+    from otel_llm.cli.demo import demo
+
     return demo(args)
+
+
+def _demo_vllm(args: argparse.Namespace) -> int:
+    from otel_llm.cli.demo_vllm import demo_vllm
+
+    return demo_vllm(args)
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from otel_llm.cli.doctor import doctor
+
+    return doctor(sys.stdout)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="otel-llm", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"otel-llm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     d = sub.add_parser(
         "demo",
@@ -107,20 +124,26 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="serve HTTP from vLLM's Rust frontend (vllm-rs); otel-llm records from the engine core's stream",
     )
-    v.set_defaults(func=demo_vllm)
+    v.set_defaults(func=_demo_vllm)
     doc = sub.add_parser(
         "doctor",
         help="say which engines are here, which otel-llm parts attach and why not, and the settings",
         description="Run in the serving environment: the engines installed and their versions, each "
         "otel-llm part (vLLM's stat logger, deep hook, attribution, replace mode, Rust frontend; the "
         "transformers instrumentor) and whether it attaches there, and why not; the telemetry settings "
-        "as resolved from the environment, and whether the OTLP endpoint answers. Exit status 1 when "
-        "something asked for cannot attach, 2 for a bad setting.",
+        "as resolved from the environment, and whether the OTLP endpoints answer. Exit status 1 when "
+        "something asked for cannot attach or the metrics or traces go to an OTLP endpoint that does not "
+        "answer, 2 for a bad setting.",
     )
-    doc.set_defaults(func=lambda args: doctor(sys.stdout))
+    doc.set_defaults(func=_doctor)
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command != "doctor":  # the doctor reports a bad setting among the rest, in its own words
+        problem = check_settings()
+        if problem is not None:
+            print(f"otel-llm {args.command}: bad setting: {problem}", file=sys.stderr)
+            return 2
     return int(args.func(args))

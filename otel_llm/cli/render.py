@@ -93,19 +93,32 @@ def bar_chart(labels: Sequence[str], counts: Sequence[int]) -> list[str]:
     return lines
 
 
-def write_plot(path: str, labels: Sequence[str], counts: Sequence[int], title: str) -> None:
+def plot(labels: Sequence[str], counts: Sequence[int], title: str) -> Any:
+    """The chart as a matplotlib Figure. A log-scale y axis: the thrashing tail (a few requests
+    against hundreds at 0) would be flat on a linear one. Every bar is labelled with its count,
+    0 included (an empty bucket draws no bar on a log scale)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    bars = ax.bar(labels, counts, color="#4c72b0")
-    ax.bar_label(bars)
+    ax.bar(labels, counts, color="#4c72b0")
+    ax.set_yscale("log")
+    ax.set_ylim(0.5, max(max(counts, default=1), 1) * 2)  # room above the tallest bar for its label
+    for x, count in enumerate(counts):
+        ax.annotate(str(count), (x, max(count, 0.5)), ha="center", va="bottom")
     ax.set_xlabel("preemptions per request")
-    ax.set_ylabel("requests")
+    ax.set_ylabel("requests (log scale)")
     ax.set_title(title)
     fig.tight_layout()
+    return fig
+
+
+def write_plot(path: str, labels: Sequence[str], counts: Sequence[int], title: str) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = plot(labels, counts, title)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 

@@ -328,7 +328,7 @@ def _choice(text: str, allowed: tuple[str, ...]) -> str:
 
 
 def _deep_hook(text: str) -> str:
-    """``on``, ``off`` or ``force`` (on, without the vLLM version check); booleans as elsewhere."""
+    """``on``, ``off`` or ``force`` (the same as on: every part attaches by structure); booleans as elsewhere."""
     lowered = text.lower()
     if lowered == "force":
         return lowered

@@ -285,14 +285,34 @@ class RequestSink:
         if opened is None:
             opened = self._open_span(rid, summary.arrival_time, summary.max_tokens, carrier, {})
         span, exemplar, ctx = opened
-        causes = summary.preemption_causes
-        for ordinal, (ts, tokens, reason) in enumerate(summary.preemptions, 1):
-            cause = causes[ordinal - 1] if ordinal <= len(causes) else None
-            ids = cause.request_ids if cause is not None else ()
-            targets = [(self._finished_target(c, summary), None) for c in ids if c != rid] if span is not None else []
-            kind = cause.kind if cause is not None else CAUSE_UNKNOWN
-            self._preemption_event(rid, span, ordinal, ts, tokens, reason, kind, ids, targets)
+        self._summary_events(rid, span, summary)
         self._finish(span, exemplar, ctx, summary, None, self.metrics if metrics else None)
+
+    def _summary_events(self, rid: str, span: Any, summary: RequestSummary) -> None:
+        """The span events a request known by its summary had, in time order, as the events of a
+        request followed step by step make them: each preemption (a log record too, per config), each
+        resumption, the first token."""
+        marks: list[tuple[float, int, int]] = [(ts, 1, n) for n, (ts, _, _) in enumerate(summary.preemptions, 1)]
+        marks += [(ts, 2, n) for n, ts in enumerate(summary.resumptions, 1)]
+        if summary.ttft is not None:
+            marks.append((summary.arrival_time + summary.ttft, 0, 0))
+        causes = summary.preemption_causes
+        for ts, mark, ordinal in sorted(marks):
+            if mark == 0:
+                if span is not None:
+                    self.spans.event(span, "first_token", ts, {})  # type: ignore[union-attr]  # a span implies self.spans
+            elif mark == 2:
+                if span is not None:
+                    self.spans.event(span, "resumed", ts, {"ordinal": ordinal})  # type: ignore[union-attr]
+            else:
+                _, tokens, reason = summary.preemptions[ordinal - 1]
+                cause = causes[ordinal - 1] if ordinal <= len(causes) else None
+                ids = cause.request_ids if cause is not None else ()
+                targets = (
+                    [(self._finished_target(c, summary), None) for c in ids if c != rid] if span is not None else []
+                )
+                kind = cause.kind if cause is not None else CAUSE_UNKNOWN
+                self._preemption_event(rid, span, ordinal, ts, tokens, reason, kind, ids, targets)
 
     def reserve_span(self, request_id: str, arrival: float, carrier: Any) -> None:
         """Open the span of a request known by its summary at its finish only, now: a request

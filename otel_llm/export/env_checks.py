@@ -42,6 +42,8 @@ _RESOURCE_ATTRIBUTE = re.compile(r"[^=,]*\S[^=,]*=.*")
 
 def check(env: Mapping[str, str], protocols: Mapping[str, str]) -> None:
     """``protocols``: the OTLP protocol of each signal exported over OTLP ("traces", "metrics", "logs")."""
+    # First: importing the OTLP exporters (integer_timeouts) makes the SDK log its own line about it.
+    _resource_attributes(env)
     for signal in _SIGNALS:
         _timeout(env, f"{_OTLP}{signal}TIMEOUT")
         _headers(env, f"{_OTLP}{signal}HEADERS")
@@ -62,7 +64,6 @@ def check(env: Mapping[str, str], protocols: Mapping[str, str]) -> None:
         for var in (f"{_OTLP}{signal.upper()}_COMPRESSION", f"{_OTLP}COMPRESSION"):
             _compression(env, var, protocol)
     _sampler(env)
-    _resource_attributes(env)
 
 
 @functools.lru_cache(maxsize=None)
@@ -96,11 +97,13 @@ def _number(env: Mapping[str, str], var: str, rule: str) -> None:
 
 
 def _timeout(env: Mapping[str, str], var: str) -> None:
+    raw = _set(env, var)
+    if raw is None:
+        return
     if not integer_timeouts():
         _number(env, var, "a number of seconds > 0")
         return
-    raw = _set(env, var)
-    if raw is not None and not (raw.strip().isdigit() and int(raw) > 0):
+    if not (raw.strip().isdigit() and int(raw) > 0):
         raise ValueError(
             f"{var}={raw!r}: must be a whole number of seconds > 0 (the installed OTLP exporters read an integer)"
         )

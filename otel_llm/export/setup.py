@@ -213,18 +213,24 @@ def _prometheus_endpoint(
     except OSError as exc:
         if port_taken == "raise":
             raise
-        others = [e for e in exporters.metrics if e != "prometheus"]
         _log.warning(
-            "otel-llm: no /metrics endpoint in this process: %s:%s is taken (%s); "
-            "OTEL_LLM_PROMETHEUS_PORTS=N gives each process on a host a port of its own. "
-            "Metrics exporters %s and traces go on",
+            "otel-llm: no /metrics endpoint in this process: %s:%s is taken (%s); OTEL_EXPORTER_PROMETHEUS_PORT "
+            "picks another port, OTEL_LLM_PROMETHEUS_PORTS=N gives each process on a host a port of its own. %s",
             host,
             port,
-            exc.strerror or exc,
-            ",".join(others) or "none",
+            os.strerror(exc.errno) if exc.errno else exc,
+            _still_exported(exporters),
         )
         return None
     return endpoint
+
+
+def _still_exported(exporters: _Exporters) -> str:
+    """What goes on without the Prometheus endpoint, in words."""
+    metrics = [e for e in exporters.metrics if e not in ("prometheus", "none")]
+    traces = [e for e in exporters.traces if e != "none"]
+    going = [f"metrics to {', '.join(metrics)}"] * bool(metrics) + [f"traces to {', '.join(traces)}"] * bool(traces)
+    return f"The rest goes on: {' and '.join(going)}" if going else "Nothing else is exported"
 
 
 def _meter_provider(

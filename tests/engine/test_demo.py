@@ -7,10 +7,12 @@ import contextlib
 import importlib.util
 import io
 import math
+import os
 import queue
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -24,7 +26,8 @@ import pytest
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from otel_llm.cli.render import Progress, bar_chart, bucket_labels
+from otel_llm.cli.demo import where_traces_are
+from otel_llm.cli.render import Progress, bar_chart, bucket_labels, plot
 
 READY_TIMEOUT = 120  # seconds: the run itself takes about one
 
@@ -201,6 +204,45 @@ def test_demo_summary_matches_its_metrics_endpoint(tmp_path: Path) -> None:
     assert len(evictors) == 5 and evictors[0].caused == max(e.caused for e in evictors)
 
 
+def test_demo_on_a_taken_port_says_so_in_one_line_and_gives_its_summary_without_serving() -> None:
+    with socket.socket() as taken:  # another process's endpoint, as far as the demo can tell
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        # --serve-seconds 300 beyond the timeout: a demo that waited to serve would fail here.
+        run = subprocess.run(
+            demo_command()
+            + ["--requests", "20", "--prometheus-port", str(port), "--serve-seconds", "300", "--no-progress"],
+            capture_output=True,
+            text=True,
+            timeout=READY_TIMEOUT,
+            env={k: v for k, v in os.environ.items() if not k.startswith("OTEL_")},
+        )
+    assert run.returncode == 0, run.stderr
+    assert run.stderr.splitlines() == [
+        f"otel-llm demo: port 127.0.0.1:{port} is taken (Address already in use): this run serves no /metrics; "
+        "--prometheus-port 0 picks a free port"
+    ]
+    assert parse_summary(run.stdout.splitlines())["requests"] == 20
+    assert "serving" not in run.stdout
+    assert run.stdout.endswith(f"\n{where_traces_are()}\n\n")  # where the trace ids listed lead
+
+
+def test_the_demo_says_where_its_trace_ids_can_be_seen(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in (
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+        "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
+    ):
+        monkeypatch.delenv(var, raising=False)
+    assert where_traces_are() == (
+        "the trace ids above: this run exported no spans; `make demo-stack` shows them in a local Phoenix "
+        "(and each bucket in Prometheus), or OTEL_EXPORTER_OTLP_ENDPOINT=<your collector> sends them there"
+    )
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4317")
+    assert where_traces_are() == "the trace ids above: the request spans went over OTLP to http://collector:4317"
+
+
 def test_demo_names_the_worst_evictors_as_the_engine_recorded_them(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -324,6 +366,22 @@ def test_plot_writes_the_chart_as_png(tmp_path: Path, capsys: pytest.CaptureFixt
     assert main(argv) == 0
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"chart written to {chart}" in capsys.readouterr().out
+
+
+def test_the_plot_has_a_log_scale_and_every_count_labelled() -> None:
+    """The thrashing tail (2 and 3 requests beside 295) stays visible, and empty buckets say 0."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    counts = [295, 147, 43, 8, 2, 0, 3, 2, 0]
+    fig = plot(bucket_labels([0.5, 1, 2, 3, 4, 5, 10, 20]), counts, "t")
+    try:
+        [ax] = fig.axes
+        assert ax.get_yscale() == "log"
+        assert [text.get_text() for text in ax.texts] == [str(c) for c in counts]
+        assert [label.get_text() for label in ax.get_xticklabels()][6:8] == ["6-10", "11-20"]
+    finally:
+        plt.close(fig)
 
 
 def test_help_is_plain_text() -> None:

@@ -146,3 +146,25 @@ def test_plugin_from_environment_serves_the_engine_totals(monkeypatch: pytest.Mo
     assert float(value) == total
     [count] = [v for k, v in samples.items() if k.startswith("vllm:request_num_preemptions_count{")]
     assert float(count) == 60
+
+
+def test_a_bad_setting_leaves_the_plugin_off_in_one_warning_and_the_engine_runs(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("ENGINE_STUB_PLUGINS", "otel")
+    monkeypatch.setenv("OTEL_LLM_NAMING", "bogus")
+    with caplog.at_level("WARNING"):
+        engine = Engine(EngineConfig(num_kv_blocks=40))
+    try:
+        assert engine.plugins == ["otel"] and not engine.hooks.active  # loaded, subscribed to nothing
+        outputs = run_workload(engine, generate(WorkloadSpec(num_requests=10), 640)).outputs
+        assert len(outputs) == 10
+    finally:
+        engine.shutdown()
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        (
+            "WARNING",
+            "otel-llm engine_stub plugin: telemetry disabled, the engine runs on: "
+            "OTEL_LLM_NAMING='bogus': naming: 'bogus' must be one of ('vllm', 'semconv')",
+        )
+    ]

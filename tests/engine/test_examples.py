@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +26,32 @@ def run(name: str, env: dict[str, str] | None = None) -> str:
     )
     assert out.returncode == 0, out.stderr
     return out.stdout
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_export_otlp_with_nothing_listening_says_what_was_not_delivered(protocol):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again at the block's end: nothing listens there
+    env = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
+        "OTEL_EXPORTER_OTLP_PROTOCOL": protocol,
+        "OTEL_EXPORTER_OTLP_TIMEOUT": "1",  # the exporters' retries give up after it
+        "OTEL_METRICS_EXPORTER": "otlp",
+        "OTEL_TRACES_EXPORTER": "otlp",
+    }
+    out = subprocess.run(
+        [sys.executable, str(EXAMPLES / "export_otlp.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **env},
+    )
+    assert (out.returncode, out.stdout) == (1, ""), out.stderr
+    [said] = [line for line in out.stderr.splitlines() if line.startswith("recorded 3 requests")]
+    assert re.fullmatch(
+        r"recorded 3 requests; NOT delivered: metric_points_export_failed=\d+, spans_export_failed=3", said
+    )
 
 
 def test_record_lifecycle():
@@ -57,7 +85,8 @@ def test_export_otlp(protocol):
                 "OTEL_TRACES_EXPORTER": "otlp",
             },
         )
-        assert "flush ok" in out
+        points = sum(len(sink.metric_points(name)) for name in sink.metric_names())
+        assert out == f"exported 3 requests: 3 spans, {points} metric points\n"
         _, point = sink.metric_points("vllm:request_num_preemptions")[-1]  # cumulative: the last is the total
         assert list(point.bucket_counts) == [1, 1, 0, 1, 0, 0, 0, 0, 0]  # 0, 1 and 3 preemptions
         assert len(sink.spans()) == 3

@@ -26,11 +26,12 @@ def _closed_port() -> int:
 
 
 def test_outside_any_engine_it_says_so_and_exits_cleanly() -> None:
-    status, text = run({**BASE, "OTEL_LLM_NAMING": "semconv", "OTEL_LLM_PREEMPTION_BUCKETS": "1,5,50"})
+    with start_otlp_sink("grpc") as sink:
+        env = {**BASE, "OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint}
+        status, text = run({**env, "OTEL_LLM_NAMING": "semconv", "OTEL_LLM_PREEMPTION_BUCKETS": "1,5,50"})
     assert status == 0, text
     assert "no serving engine installed (vLLM, transformers): nothing to attach to here" in text
     assert "naming semconv" in text and "buckets 1, 5, 50" in text
-    assert "(default): " in text  # the SDK's default endpoint: tried, a note whatever it answers
     assert text.rstrip().endswith("everything asked for attaches")
 
 
@@ -44,28 +45,53 @@ def test_a_bad_setting_exits_2_naming_it() -> None:
 def test_the_otlp_endpoint_set_is_tried() -> None:
     with start_otlp_sink("grpc") as sink:
         status, text = run({**BASE, "OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint})
-    assert status == 0 and f"OTLP grpc {sink.endpoint}: answers" in text, text
+    assert status == 0 and f"  OTLP grpc {sink.endpoint}: answers (metrics, traces)\n" in text, text
     dead = f"http://127.0.0.1:{_closed_port()}"
     status, text = run({**BASE, "OTEL_EXPORTER_OTLP_ENDPOINT": dead, "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"})
     assert status == 1, text
-    assert f"OTLP http/protobuf {dead}/v1/metrics: does not answer" in text
-    assert text.rstrip().endswith("not attached or not reachable: OTLP endpoint")
+    assert f"  OTLP http/protobuf {dead}/v1/metrics: does not answer (Connection refused) (metrics)\n" in text
+    assert f"  OTLP http/protobuf {dead}/v1/traces: does not answer (Connection refused) (traces)\n" in text
+    assert text.rstrip().endswith(
+        "not attached or not reachable: OTLP endpoint of the metrics, OTLP endpoint of the traces"
+    )
+
+
+def test_a_dead_endpoint_of_the_traces_alone_exits_1_naming_them() -> None:
+    """Metrics on our /metrics, traces over OTLP to a port where nothing listens: the spans would
+    be lost, so the doctor fails, through the command as a user runs it."""
+    dead = f"http://127.0.0.1:{_closed_port()}"
+    done = subprocess.run(
+        [sys.executable, "-m", "otel_llm", "doctor"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={
+            "PATH": "/usr/bin:/bin",
+            "OTEL_METRICS_EXPORTER": "prometheus",
+            "OTEL_TRACES_EXPORTER": "otlp",
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": dead,
+        },
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert f"  OTLP grpc {dead}: does not answer (Connection refused) (traces)\n" in done.stdout
+    assert done.stdout.rstrip().endswith("not attached or not reachable: OTLP endpoint of the traces")
 
 
 def test_the_tenant_source_and_where_it_reaches() -> None:
-    status, text = run({**BASE, "OTEL_LLM_TENANT": "priority", "OTEL_LLM_TENANT_MAX_VALUES": "8"})
+    local = {"OTEL_METRICS_EXPORTER": "none", "OTEL_TRACES_EXPORTER": "none"}  # no endpoint to try
+    status, text = run({**local, "OTEL_LLM_TENANT": "priority", "OTEL_LLM_TENANT_MAX_VALUES": "8"})
     assert status == 0, text
     assert "  tenant priority (at most 8 values): reaches engine_stub\n" in text
-    status, text = run({**BASE, "OTEL_LLM_TENANT": "header:X-Team"})
+    status, text = run({**local, "OTEL_LLM_TENANT": "header:X-Team"})
     assert status == 1, text
     assert (
         "  tenant header:x-team (at most 20 values): reaches none of the entry points here; refused by "
         "engine_stub hands over priority, lora, model, baggage\n"
     ) in text
     assert text.rstrip().endswith("not attached or not reachable: tenant source")
-    status, text = run({**BASE})
+    status, text = run({**local})
     assert "  tenant: none (OTEL_LLM_TENANT unset: no tenant label)\n" in text
-    status, text = run({**BASE, "OTEL_LLM_TENANT": "cookie:x"})
+    status, text = run({**local, "OTEL_LLM_TENANT": "cookie:x"})
     assert status == 2 and "OTEL_LLM_TENANT='cookie:x'" in text, text
 
 

@@ -12,9 +12,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def demo_command(*overrides: str) -> list[str]:
-    """The command `make demo` would run (dry run; READY= leaves out the set-up)."""
+    """The command `make demo` would run (dry run; DEMO_READY= leaves out the set-up)."""
     out = subprocess.run(
-        ["make", "-s", "-n", "demo", "READY=", *overrides], cwd=ROOT, capture_output=True, text=True, check=True
+        ["make", "-s", "-n", "demo", "DEMO_READY=", *overrides], cwd=ROOT, capture_output=True, text=True, check=True
     ).stdout
     [line] = [line for line in out.splitlines() if "otel-llm demo" in line]
     return line.split()
@@ -27,6 +27,34 @@ def test_make_demo_passes_serve_seconds_once() -> None:
     custom = demo_command("SERVE_SECONDS=0", "ARGS=--requests 100")
     assert custom.count("--serve-seconds") == 1 and custom[custom.index("--serve-seconds") + 1] == "0"
     assert custom[-2:] == ["--requests", "100"]
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_demo_sets_up_only_what_the_demo_needs(tmp_path: Path) -> None:
+    """The engine and the chart: no dev extras, no Prometheus or valgrind, no Phoenix."""
+    plan = subprocess.run(
+        ["make", "-n", "demo", f"VENV={tmp_path / 'venv'}"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
+    installs = [line for line in plan.splitlines() if "install" in line]
+    assert installs == [
+        f"{tmp_path / 'venv'}/bin/python -m pip install -q torch==2.13.0",
+        f"{tmp_path / 'venv'}/bin/python -m pip install -q -e '.[engine,plot]'",
+    ], plan
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_test_quick_runs_no_backend_and_needs_no_phoenix() -> None:
+    plan = subprocess.run(
+        ["make", "-n", "test-quick", "READY=", "PHOENIX_READY=/nonexistent"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    [run] = [line for line in plan.replace("\\\n", " ").splitlines() if "-m pytest" in line]
+    assert "-m 'not backend'" in run and "phoenix" not in plan
+    skipped = [word.split("=", 1)[1] for word in run.split() if word.startswith("--ignore=")]
+    assert skipped and all((ROOT / path).is_file() for path in skipped), skipped
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")

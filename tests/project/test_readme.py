@@ -54,9 +54,12 @@ def test_every_environment_variable_is_documented():
     assert not missing, missing
 
 
-def test_readme_opens_with_the_two_commands():
-    head = README.read_text().split("\n## ")[0]
-    assert "make demo" in head and "make test" in head
+def test_readme_leads_with_the_vllm_user_then_the_two_commands():
+    """What it is, then how a vLLM user turns it on, then the demo and the developer's commands."""
+    intro, use, tryit = README.read_text().split("\n## ")[:3]
+    assert intro.startswith("# otel-llm\n") and use.startswith("Use it with vLLM\n")
+    assert "pip install otel-llm" in use and "VLLM_USE_RUST_FRONTEND=1 vllm serve" in use
+    assert "make demo " in tryit and "make test " in tryit
 
 
 def test_readme_stays_a_front_page():

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import socket
+import subprocess
+import sys
 
 import pytest
 from opentelemetry.sdk.metrics import MeterProvider
@@ -21,6 +24,7 @@ import otel_llm
 from otel_llm import EngineTelemetry, EventType, RequestEvent, TelemetryConfig, setup_telemetry
 from otel_llm.config.settings import CONFIG_VARIABLES, ENTRY_POINT_VARIABLES, from_environment
 from otel_llm.export import env_checks as sdk_env
+from otel_llm.export.settings_check import check_settings
 from otel_llm.stack.ports import free_port
 from tests.support.otel_helpers import BOTH_PATHS, attrs
 
@@ -383,3 +387,35 @@ def test_an_accepted_config_never_fails_on_record(bounds, paths, caplog):
         if r.levelno >= logging.WARNING and "otel_llm" in r.name and "without otel_llm.views" not in r.getMessage()
     ], caplog.text
     provider.shutdown()
+
+
+# Through the command, each bad value of the lists above, and the ones a new user met first.
+CLI_CASES = [
+    (var, raw) for var, raw, _ in [*BAD_ENV, *BAD_SETUP_ENV, *BAD_SDK_ENV, *BAD_ENTRY_POINT_ENV] if raw is not None
+] + [("OTEL_EXPORTER_OTLP_ENDPOINT", "not-a-url"), ("OTEL_LLM_NAMING", "bogus")]
+
+
+@pytest.mark.parametrize("var,raw", CLI_CASES, ids=[f"{v}={r!r}" for v, r in CLI_CASES])
+def test_the_cli_says_a_bad_setting_in_one_line_and_exits_2(var, raw):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    done = subprocess.run(
+        [sys.executable, "-m", "otel_llm", "demo"], env={**env, var: raw}, capture_output=True, text=True, timeout=60
+    )
+    assert (done.returncode, done.stdout) == (2, ""), done.stderr
+    assert done.stderr == f"otel-llm demo: bad setting: {check_settings({var: raw})}\n"
+    _one_clear_message(ValueError(done.stderr.rstrip("\n")), var, raw, ())
+
+
+def test_check_settings_names_what_setup_would_reject():
+    """The one check every entry point runs says what setup_telemetry would raise, word for word."""
+    for var, raw, _ in [*BAD_ENV, *BAD_SETUP_ENV, *BAD_SDK_ENV]:
+        if raw is not None:
+            with pytest.raises(ValueError) as info:
+                setup_telemetry(environ={**BASE_ENV, var: raw})
+            assert check_settings({**BASE_ENV, var: raw}) == str(info.value), var
+    assert check_settings(BASE_ENV) is None and check_settings({}) is None
+
+
+def test_otel_llm_version():
+    done = subprocess.run([sys.executable, "-m", "otel_llm", "--version"], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout, done.stderr) == (0, f"otel-llm {otel_llm.__version__}\n", "")

@@ -21,7 +21,10 @@ os.environ.setdefault("VLLM_CACHE_ROOT", tempfile.mkdtemp(prefix="vllm-cache-"))
 # (otel_llm.integrations.vllm.use_handle), and nothing may try to reach a collector.
 os.environ["OTEL_METRICS_EXPORTER"] = "none"
 os.environ["OTEL_TRACES_EXPORTER"] = "none"
-for _var in ("OTEL_LLM_VLLM_DEEP_HOOK", "OTEL_LLM_MODEL_NAME", "OTEL_LLM_PREEMPTION_BUCKETS", "VLLM_PLUGINS"):
+# The deep hook is on by default; these tests start from the stat-logger path, and those of the
+# deep hook turn it on (its default itself: test_vllm_deep_hook.py).
+os.environ["OTEL_LLM_VLLM_DEEP_HOOK"] = "0"
+for _var in ("OTEL_LLM_MODEL_NAME", "OTEL_LLM_PREEMPTION_BUCKETS", "VLLM_PLUGINS"):
     os.environ.pop(_var, None)
 
 import pytest  # noqa: E402 - after the environment is cleaned above

@@ -18,6 +18,7 @@ import pytest
 from samples import otel_samples
 from scheduler_load import Spec, build_scheduler, make_request, model_output
 
+from otel_llm.catalogue.metrics import BY_KEY
 from otel_llm.integrations.vllm import engine_tap
 from otel_llm.integrations.vllm.stream_consumer import StreamConsumer
 from tests.support.backends import wait_until
@@ -256,7 +257,8 @@ def test_nothing_is_sent_after_the_goodbye(tapped: Any) -> None:
 
 def test_the_hello_carries_the_engines_settings(tapped: Any, monkeypatch: Any) -> None:
     """The consumer resolves an engine's settings as the stat-logger path does: the served model's
-    name, its ``max_model_len`` (the request token buckets stop there) and the provider ``vllm``."""
+    name, its ``max_model_len`` (the request token buckets stop there), vLLM's custom histogram
+    buckets and the provider ``vllm``."""
     import json
 
     hello = json.loads(engine_tap._state["tap"].hello[5:])  # after the kind and the length
@@ -264,6 +266,7 @@ def test_the_hello_carries_the_engines_settings(tapped: Any, monkeypatch: Any) -
         "engine": 0,
         "model": tapped.engine.core.vllm_config.model_config.served_model_name,
         "max_model_len": 512,
+        "custom_histogram_buckets": {},
     }
     for var in ("OTEL_LLM_MAX_MODEL_LEN", "OTEL_LLM_MODEL_NAME", "OTEL_LLM_PROVIDER_NAME"):
         monkeypatch.delenv(var, raising=False)
@@ -273,5 +276,27 @@ def test_the_hello_carries_the_engines_settings(tapped: Any, monkeypatch: Any) -
         telemetry = consumer._new_telemetry(3, hello)
         assert telemetry.config.max_model_len == 512 and telemetry.config.provider_name == "vllm"
         assert telemetry.config.model_name == hello["model"] and telemetry.config.engine == "3"
+        # vLLM's --custom-histogram-buckets, read in the engine core, bound the same series here.
+        observability = tapped.engine.core.vllm_config.observability_config
+        monkeypatch.setattr(
+            observability,
+            "custom_histogram_buckets",
+            {"request_latency": [1.0, 10.0], "request_num_preemptions": [1, 3]},
+        )
+        custom = json.loads(engine_tap._hello(tapped.engine.core, 4)[5:])
+        assert custom["custom_histogram_buckets"] == {
+            "request_latency": [1.0, 10.0],
+            "request_num_preemptions": [1.0, 3.0],
+        }
+        config = consumer._new_telemetry(4, custom).config
+        assert config.preemption_buckets == (1.0, 3.0)
+        assert (
+            BY_KEY["e2e_request_latency_seconds"].boundaries(config)
+            == BY_KEY["request_queue_time_seconds"].boundaries(config)
+            == (1.0, 10.0)
+        )
+        assert BY_KEY["time_to_first_token_seconds"].boundaries(config) == BY_KEY[
+            "time_to_first_token_seconds"
+        ].boundaries(telemetry.config)  # not a family set
     finally:
         consumer.close()

@@ -1,5 +1,5 @@
-"""The opt-in deep hook: one ``preempted`` span event per PREEMPTED EngineCoreEvent, at its
-timestamp; the exact preempted time; a guarded fallback when it cannot attach."""
+"""The deep hook, on by default: one ``preempted`` span event per PREEMPTED EngineCoreEvent, at its
+timestamp; the exact preempted time; a guarded fallback when it cannot attach; off when told."""
 
 from __future__ import annotations
 
@@ -60,7 +60,9 @@ def test_deep_hook_puts_a_span_event_at_each_preemption(otel, vllm_config, monke
     assert ours.field_warnings == frozenset()
 
 
-def test_without_deep_hook_spans_carry_the_exact_count_only(otel, vllm_config):
+@pytest.mark.parametrize("off", ["0", "off"])
+def test_without_deep_hook_spans_carry_the_exact_count_only(otel, vllm_config, monkeypatch, off):
+    monkeypatch.setenv("OTEL_LLM_VLLM_DEEP_HOOK", off)
     o = otel()
     manager, _ = plugin_manager(vllm_config)
     from otel_llm.integrations.vllm import deep_hook as vllm_deep_hook
@@ -100,16 +102,24 @@ def test_deep_hook_attaches_by_structure_on_a_release_ci_does_not_prove(
     assert [e.attributes["ordinal"] for e in spans["r1"].events if e.name == "preempted"] == [1]
 
 
-def test_deep_hook_says_nothing_of_a_proven_release(otel, vllm_config, monkeypatch, caplog):
+def test_deep_hook_is_on_by_default_and_says_what_it_does_in_one_line(otel, vllm_config, monkeypatch, caplog):
+    """Unset, the deep hook attaches; on a proven release its one line says what it gives and how
+    to turn it off, nothing of the release."""
+    from otel_llm.integrations.vllm import deep_hook as vllm_deep_hook
     from otel_llm.integrations.vllm import package
 
-    monkeypatch.setenv("OTEL_LLM_VLLM_DEEP_HOOK", "1")
+    monkeypatch.delenv("OTEL_LLM_VLLM_DEEP_HOOK")
     otel()
     with caplog.at_level(logging.INFO, logger="otel_llm.integrations.vllm.deep_hook"):
         plugin_manager(vllm_config)
+    assert vllm_deep_hook.is_installed()
     lines = [r.getMessage() for r in caplog.records if r.name == "otel_llm.integrations.vllm.deep_hook"]
-    assert package.proven(package.installed()) and len(lines) == 1
-    assert "attached" in lines[0] and "not among" not in lines[0]
+    assert package.proven(package.installed())
+    assert lines == [
+        "otel-llm deep hook: attached to vLLM's IterationStats: a span event at each preemption with its time "
+        "and cause, the caller's traceparent, spans for aborted and cut-off requests "
+        "(OTEL_LLM_VLLM_DEEP_HOOK=0 turns it off)"
+    ]
 
 
 def test_deep_hook_refuses_a_changed_shape(otel, vllm_config, monkeypatch, caplog):

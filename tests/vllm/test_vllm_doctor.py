@@ -34,6 +34,21 @@ def test_every_part_attaches_on_this_release() -> None:
     assert rows["vLLM replace mode"] == "ready" and rows["vLLM Rust frontend"] == "ready"
 
 
+def test_the_deep_hook_is_asked_for_unless_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On by default: where it cannot attach the doctor fails, unless OTEL_LLM_VLLM_DEEP_HOOK=0."""
+    from vllm.v1.metrics.stats import IterationStats
+
+    default = {k: v for k, v in DEEP.items() if k != "OTEL_LLM_VLLM_DEEP_HOOK"}
+    status, rows, text = run(default)
+    assert status == 0 and rows["vLLM deep hook"] == "ok", text
+    monkeypatch.delattr(IterationStats, "update_from_finished_request")
+    status, rows, text = run(default)
+    assert status == 1 and rows["vLLM deep hook"] == "FAIL", text
+    assert "  FAIL  vLLM deep hook" in text and "(on unless OTEL_LLM_VLLM_DEEP_HOOK=0)" in text
+    status, rows, text = run({**default, "OTEL_LLM_VLLM_DEEP_HOOK": "0"})
+    assert status == 0 and rows["vLLM deep hook"] == "no", text
+
+
 def test_a_release_ci_does_not_prove_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     import vllm
 

@@ -372,11 +372,12 @@ class TransformersInstrumentor(BaseInstrumentor):
         return conflict if conflict is not None and _installed() is None else None
 
     def _instrument(self, **kwargs: Any) -> None:
-        try:
-            config = kwargs.get("config") or _config_from_env()
-        except ValueError as exc:
-            _log.error("otel-llm transformers instrumentation disabled: %s", exc)
+        from otel_llm.export.settings_check import refused
+
+        # Checked even with a config given: the exporters read the standard variables.
+        if refused(_log, "transformers instrumentation", "transformers runs on"):
             return
+        config = kwargs.get("config") or _config_from_env()
         originals, unmet = internals.unmet()
         if any(internals.degrades(key) == internals.REQUIRED for key in unmet):
             # All or nothing: the engine's events come from these together.

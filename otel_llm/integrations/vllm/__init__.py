@@ -1,6 +1,6 @@
 """vLLM drop-in: the ``vllm.stat_logger_plugins`` entry point ``otel_llm =
-"otel_llm.integrations.vllm:OtelStatLogger"`` and the opt-in deep hook (``vllm.general_plugins``).
-See :mod:`otel_llm.integrations.vllm.stat_logger` and docs/vllm.md."""
+"otel_llm.integrations.vllm:OtelStatLogger"`` and the deep hook, on by default (``vllm.general_plugins``).
+See :mod:`otel_llm.integrations.vllm.stat_logger`, docs/vllm.md and docs/vllm-internals.md."""
 
 from typing import Any
 

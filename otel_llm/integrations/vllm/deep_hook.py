@@ -1,4 +1,6 @@
-"""Opt-in deep hook into vLLM: exact preemption times (``OTEL_LLM_VLLM_DEEP_HOOK=1``).
+"""The deep hook into vLLM, on wherever it attaches (``OTEL_LLM_VLLM_DEEP_HOOK=0`` turns it off):
+a span event at each preemption, with its time and cause, the caller's trace context, and spans
+for the requests vLLM ends without stats.
 
 vLLM's stat loggers only get ``FinishedRequestStats.num_preemptions``: the per-request
 ``EngineCoreEvent`` timestamps (QUEUED / SCHEDULED / PREEMPTED) are consumed by
@@ -70,9 +72,9 @@ _adding_headers: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar
 
 
 def enabled(environ: Optional[Mapping[str, str]] = None) -> bool:
-    """Asked for (``on``; ``force``, its former spelling past a version check, is the same); a
-    bad value raises ValueError naming the variable."""
-    return from_environment(ENV, environ) in ("on", "force")
+    """On unless turned off (``0``/``off``/``false``/``no``): every headline feature needs it, and
+    it attaches by structure or says why not; a bad value raises ValueError naming the variable."""
+    return from_environment(ENV, environ) != "off"
 
 
 def register() -> None:
@@ -80,14 +82,17 @@ def register() -> None:
     the engine-core stream's part of this process (:mod:`.frontend`); the deep hook when enabled;
     never raises into vLLM."""
     try:
+        from otel_llm.export.settings_check import check_settings, refused
         from otel_llm.integrations.vllm import frontend
 
+        # A bad setting leaves every part off, said once where the telemetry would start: by the
+        # stat logger, or here under the Rust frontend, which calls no stat logger.
+        if refused(_log, "vLLM plugin", "vLLM serves on") if frontend.rust_frontend() else check_settings():
+            return
         frontend.start()
         if enabled():
             folder(create=True)  # before the engine cores start: they inherit where to report causes
             install()
-    except ValueError as exc:  # a bad OTEL_LLM_VLLM_DEEP_HOOK: its name and the rule, one line
-        _log.error("otel-llm deep hook: not attached: %s", exc)
     except Exception:  # noqa: BLE001 - registration must not stop vLLM: the plain plugin stays
         _log.exception("otel-llm deep hook: registration failed; falling back")
 
@@ -152,7 +157,10 @@ def install() -> bool:
         if reason is None:
             _state["installed"] = True
             _log.info(
-                "otel-llm deep hook: attached to vLLM's IterationStats (per-preemption timing on)%s",
+                "otel-llm deep hook: attached to vLLM's IterationStats: a span event at each preemption with its "
+                "time and cause, the caller's traceparent, spans for aborted and cut-off requests (%s=0 turns it "
+                "off)%s",
+                ENV,
                 package.unproven_note(),
             )
             return True

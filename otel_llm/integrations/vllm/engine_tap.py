@@ -10,7 +10,8 @@ What the engine core pays, and where:
   frontend found, an explicit abort): the ids the scheduler still had unfinished, written at once
   with their time, after the requests added before them (the output thread may be idle: no
   output would carry them); vLLM sends its frontend nothing for such a request;
-- its output thread, at its start: who it is (engine index, served model, ``max_model_len``),
+- its output thread, at its start: who it is (engine index, served model, ``max_model_len``,
+  vLLM's custom histogram buckets),
   said first on every connection; per output message: the bytes vLLM has just encoded for its
   frontend (``EngineCoreProc._send_msg_tracking_payload``) copied into one frame, the requests added
   since (their id, arrival time, prompt length, ``max_tokens``, trace headers) read and written
@@ -215,9 +216,13 @@ def _unfinished(core: Any, request_ids: Any) -> list[str]:
 
 
 def _hello(core: Any, engine_index: Any) -> bytes:
-    """Who this engine core is: its index, served model name and ``max_model_len``."""
-    hello: dict[str, Any] = {"engine": 0, "model": "", "max_model_len": None}
+    """Who this engine core is: its index, served model name, ``max_model_len`` and vLLM's custom
+    histogram buckets (the settings its telemetry takes from vLLM, read where vLLM's config is)."""
+    from otel_llm.integrations.vllm.plan import custom_buckets
+
+    hello: dict[str, Any] = {"engine": 0, "model": "", "max_model_len": None, "custom_histogram_buckets": {}}
     try:
+        hello["custom_histogram_buckets"] = custom_buckets(core.vllm_config)
         model_config = core.vllm_config.model_config
         served = model_config.served_model_name
         max_len = getattr(model_config, "max_model_len", None)
@@ -227,7 +232,7 @@ def _hello(core: Any, engine_index: Any) -> bytes:
             max_model_len=max_len if isinstance(max_len, int) and max_len >= 1 else None,
         )
     except Exception as exc:  # noqa: BLE001 - never into vLLM's output thread
-        _warn_once("hello", f"reading the engine's index, model name and length failed ({exc!r})")
+        _warn_once("hello", f"reading the engine's index, model name, length and buckets failed ({exc!r})")
     return stream_channel.json_frame(stream_channel.HELLO, hello)
 
 

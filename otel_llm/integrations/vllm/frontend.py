@@ -7,7 +7,8 @@ There otel-llm records from the engine core's stream instead (:func:`start`, run
 makes the serve's channel folder and outlives its engine cores, runs the telemetry
 (:mod:`.stream_consumer`); the processes it starts (the engine cores)
 hand their stream over (:mod:`.engine_tap`). The user's settings are the Python frontend's: the
-``OTEL_*`` variables, ``OTEL_LLM_*``, ``OTEL_LLM_VLLM_DEEP_HOOK=1`` for the preemptions' causes.
+``OTEL_*`` variables, ``OTEL_LLM_*``, the deep hook for the preemptions' causes (on unless
+``OTEL_LLM_VLLM_DEEP_HOOK=0``).
 """
 
 from __future__ import annotations

@@ -56,7 +56,7 @@ def make_plan(vllm_config: Any, engine_indexes: list[int], reader: FieldReader, 
     handle = handle if handle is not None else shared_handle.current()
     own_config = None
     if handle is None:
-        own_config = engine_config(served, max_len)
+        own_config = engine_config(served, max_len, custom_buckets(vllm_config))
     naming = (own_config or handle.config).naming
     # Built before the providers, which need their Views.
     series = _series(vllm_config, engine_indexes, naming)
@@ -74,8 +74,6 @@ def make_plan(vllm_config: Any, engine_indexes: list[int], reader: FieldReader, 
         vllm_replace.report_fallback(vllm_replace.structure_obstacle() or "this stat-logger class is add mode's")
     if handle is None:
         assert own_config is not None
-        if series is not None:
-            own_config = _with_vllm_buckets(own_config, series, vllm_config)
         handle = shared_handle.get_handle(
             own_config,
             series.views() if series is not None else (),
@@ -89,12 +87,16 @@ def make_plan(vllm_config: Any, engine_indexes: list[int], reader: FieldReader, 
     return Plan(config, handle, served, series, replacing)
 
 
-def engine_config(served: Optional[str], max_len: Optional[int]) -> TelemetryConfig:
+def engine_config(
+    served: Optional[str], max_len: Optional[int], custom: Optional[dict[str, list[float]]] = None
+) -> TelemetryConfig:
     """The settings of an engine's telemetry, whichever process records it: the environment over
     what vLLM says of its engine (the served model's name, ``max_model_len``, which bounds the
-    request token buckets) over our defaults, with ``gen_ai.provider.name`` vLLM."""
+    request token buckets, its custom histogram buckets) over our defaults, with
+    ``gen_ai.provider.name`` vLLM."""
     defaults = {"model_name": served, "max_model_len": max_len, "provider_name": PROVIDER_NAME}
-    return TelemetryConfig.from_env(defaults={k: v for k, v in defaults.items() if v is not None})
+    config = TelemetryConfig.from_env(defaults={k: v for k, v in defaults.items() if v is not None})
+    return with_vllm_buckets(config, custom or {})
 
 
 def _model_label(base: TelemetryConfig, served: Optional[str]) -> str:
@@ -128,29 +130,54 @@ def _vllm_facing_reader(series: Any) -> list[Any]:
     return [VllmFacingReader(get_prometheus_registry(), documentation)]
 
 
-def _with_vllm_buckets(config: TelemetryConfig, series: Any, vllm_config: Any) -> TelemetryConfig:
-    """The config with vLLM's histogram boundaries where vLLM's settings changed them
-    (``--custom-histogram-buckets``): for every core histogram whose boundaries in vLLM's
-    logger differ from vLLM's defaults (which are ours in the ``vllm`` profile). An explicit
-    ``OTEL_LLM_PREEMPTION_BUCKETS`` / ``OTEL_LLM_MAX_MODEL_LEN`` wins."""
-    defaults = dataclasses.replace(config, naming="vllm", histogram_buckets={})
-    custom = getattr(getattr(vllm_config, "observability_config", None), "custom_histogram_buckets", None) or {}
+# vLLM's histogram bucket families (``--custom-histogram-buckets`` keys) and the series of each
+# that otel-llm records, as vLLM's PrometheusStatLogger assigns them.
+BUCKET_FAMILIES: dict[str, tuple[str, ...]] = {
+    "request_latency": (
+        "vllm:e2e_request_latency_seconds",
+        "vllm:request_queue_time_seconds",
+        "vllm:request_inference_time_seconds",
+        "vllm:request_prefill_time_seconds",
+        "vllm:request_decode_time_seconds",
+    ),
+    "time_to_first_token": ("vllm:time_to_first_token_seconds",),
+    "inter_token_latency": ("vllm:inter_token_latency_seconds", "vllm:request_time_per_output_token_seconds"),
+    "iteration_tokens": ("vllm:iteration_tokens_total",),
+    "request_num_preemptions": ("vllm:request_num_preemptions",),
+    "request_tokens": (
+        "vllm:request_prompt_tokens",
+        "vllm:request_generation_tokens",
+        "vllm:request_params_max_tokens",
+    ),
+}
+
+
+def custom_buckets(vllm_config: Any) -> dict[str, list[float]]:
+    """vLLM's ``--custom-histogram-buckets`` (family -> boundaries), as vLLM validated them."""
+    custom = getattr(getattr(vllm_config, "observability_config", None), "custom_histogram_buckets", None)
+    return {str(k): [float(b) for b in v] for k, v in custom.items()} if isinstance(custom, dict) else {}
+
+
+def with_vllm_buckets(config: TelemetryConfig, custom: dict[str, list[float]]) -> TelemetryConfig:
+    """The config with the boundaries vLLM's ``--custom-histogram-buckets`` gives each family's
+    series (vLLM's defaults are ours in the ``vllm`` profile); an explicit
+    ``OTEL_LLM_PREEMPTION_BUCKETS`` / ``OTEL_LLM_MAX_MODEL_LEN`` wins. One resolution for every
+    process that records an engine: vLLM's config where it is at hand, the engine core's hello
+    elsewhere."""
     overrides = dict(config.histogram_buckets)
     preemption = config.preemption_buckets
-    buckets_from_env = from_environment("OTEL_LLM_PREEMPTION_BUCKETS") is not None
-    max_len_from_env = from_environment("OTEL_LLM_MAX_MODEL_LEN") is not None
+    by_series = {name: family for family, names in BUCKET_FAMILIES.items() for name in names}
     for m in METRICS:
-        family = series.families.get(m.vllm)
-        if m.kind != "histogram" or family is None or not family.bounds:
+        bounds = custom.get(by_series.get(m.vllm or "", ""))
+        if m.kind != "histogram" or not bounds:
             continue
         if m.key == "request_num_preemptions":
-            # Ours start at 0.5 on purpose: vLLM's apply only when set by the user.
-            if "request_num_preemptions" in custom and not buckets_from_env:
-                preemption = family.bounds
-        elif m.buckets is request_token_buckets and max_len_from_env:
+            if from_environment("OTEL_LLM_PREEMPTION_BUCKETS") is None:
+                preemption = tuple(bounds)
+        elif m.buckets is request_token_buckets and from_environment("OTEL_LLM_MAX_MODEL_LEN") is not None:
             continue
-        elif tuple(map(float, m.boundaries(defaults))) != family.bounds:
-            overrides[m.key] = family.bounds
+        else:
+            overrides[m.key] = tuple(bounds)
     try:
         return dataclasses.replace(config, histogram_buckets=overrides, preemption_buckets=preemption)
     except ValueError as exc:  # e.g. a boundary <= 0, which vLLM allows and Ray's exporter rejects

@@ -17,8 +17,8 @@ field degrades only the metrics that need it, with one warning; nothing raises i
 Settings (environment; see docs/vllm.md): the standard ``OTEL_*`` variables through
 :func:`otel_llm.setup_telemetry`, ``OTEL_LLM_*`` through :meth:`TelemetryConfig.from_env`
 (``OTEL_LLM_MODEL_NAME`` overrides vLLM's served model name), and
-``OTEL_LLM_VLLM_DEEP_HOOK=1`` for the opt-in per-preemption timing
-(:mod:`otel_llm.integrations.vllm.deep_hook`), ``OTEL_LLM_VLLM_METRICS=replace`` to answer vLLM's
+``OTEL_LLM_VLLM_DEEP_HOOK=0`` to turn off the deep hook (per-preemption events and causes, on by
+default: :mod:`otel_llm.integrations.vllm.deep_hook`), ``OTEL_LLM_VLLM_METRICS=replace`` to answer vLLM's
 own ``/metrics`` in place of vLLM's Prometheus logger (:mod:`otel_llm.integrations.vllm.replace`).
 """
 
@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Optional
 
+from otel_llm.export.settings_check import refused
 from otel_llm.integrations.vllm import package
 from otel_llm.integrations.vllm.adapter import VllmAdapter
 
@@ -108,6 +109,8 @@ def _make_adding_class() -> type:
             self.engine_indexes = list(engine_indexes)
             self.vllm_config = vllm_config
             self._impl: Optional[VllmAdapter] = None
+            if refused(_log, "vLLM adapter", "vLLM serves on"):
+                return
             try:
                 # vLLM's StatLoggerManager builds its own Prometheus logger beside this class;
                 # replace mode's class builds it itself where it does not replace it.

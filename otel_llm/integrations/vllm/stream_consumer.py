@@ -271,7 +271,7 @@ class StreamConsumer:
         telemetry = self._telemetry_by_index.get(index)
         if telemetry is None:
             telemetry = self._telemetry_by_index[index] = self._new_telemetry(index, hello)
-        translator = StreamTranslator(_publisher(telemetry), self._cause_of, self._drain_causes)
+        translator = StreamTranslator(_publisher(telemetry), self._cause_of, self._drain_causes, self._reader)
         engine = self._by_index[index] = _Engine(index, telemetry, translator)
         return engine
 
@@ -283,7 +283,11 @@ class StreamConsumer:
         from otel_llm.export.setup import setup_telemetry, without_prometheus
 
         max_len = hello.get("max_model_len")
-        config = engine_config(str(hello.get("model") or "") or None, int(max_len) if max_len else None)
+        config = engine_config(
+            str(hello.get("model") or "") or None,
+            int(max_len) if max_len else None,
+            hello.get("custom_histogram_buckets") or {},
+        )
         config = resources.part_of_process(dataclasses.replace(config, engine=str(index)), f"engine-{index}")
         serve_on = self._handles[0].prometheus if self._handles else None
         if self._handles and serve_on is None:

@@ -32,10 +32,10 @@ from otel_llm.integrations.vllm.enums import QUEUED as _QUEUED
 from otel_llm.integrations.vllm.enums import SCHEDULED as _SCHEDULED
 from otel_llm.integrations.vllm.enums import finish_reason
 from otel_llm.integrations.vllm.fields import FieldReader
-from otel_llm.integrations.vllm.translate import DEFAULT_PREEMPTION_REASON, SCHEDULER_FIELDS
+from otel_llm.integrations.vllm.translate import DEFAULT_PREEMPTION_REASON, SCHEDULER_FIELDS, scheduler_gauges
 
 MAX_KNOWN = 65_536  # requests given and not yet seen finishing; the oldest forgotten past it
-_RUNNING, _WAITING, _USAGE = (f.vllm for f in SCHEDULER_FIELDS)  # SchedulerStats' fields
+_RUNNING, _WAITING, _USAGE = (f.vllm for f in SCHEDULER_FIELDS)  # SchedulerStats' fields, as decoded
 _TOKENS = EventType.TOKENS  # a module global: reading a member through its Enum class costs more, per output
 
 
@@ -109,15 +109,19 @@ class StreamTranslator:
     """One engine core's stream into ``publish(events, step)``; ``cause_of(victim, ordinal)``
     gives a preemption's cause record, if the engine core sent one; ``drain_causes()`` takes in
     the cause records sent so far (crediting their causes), called before an output that may
-    need them (a preemption, a finish): an output of new tokens only needs none."""
+    need them (a preemption, a finish): an output of new tokens only needs none. ``reader``
+    reads vLLM's stats, as the stat-logger path does."""
 
     def __init__(
         self,
         publish: Callable[[list[RequestEvent], Optional[StepStats]], None],
         cause_of: Callable[[str, int], Optional[CauseRecord]],
         drain_causes: Callable[[], None],
+        reader: FieldReader,
     ) -> None:
         self._publish = publish
+        self._reader = reader
+        self._gauges: tuple[int, int, float] = (0, 0, 0.0)  # the last SchedulerStats read
         self._cause_of = cause_of
         self._drain_causes = drain_causes
         self._running: collections.OrderedDict[str, _Running] = collections.OrderedDict()
@@ -275,21 +279,12 @@ class StreamTranslator:
             cause_kind=kind if not causes else "",
         )
 
-    @staticmethod
-    def _step(stats: Any, now: float) -> Optional[StepStats]:
+    def _step(self, stats: Any, now: float) -> Optional[StepStats]:
         if stats is None:
             return None
-        running = getattr(stats, _RUNNING, None)
-        waiting = getattr(stats, _WAITING, None)
-        usage = getattr(stats, _USAGE, None)
-        skipped = getattr(stats, "num_skipped_waiting_reqs", 0)
-        return StepStats(
-            now,
-            int(running or 0),
-            int(waiting or 0) + (skipped if type(skipped) is int else 0),
-            min(1.0, max(0.0, float(usage or 0.0))),
-            None,  # num_batched_tokens: a scheduler snapshot, not an iteration
-        )
+        running, waiting, usage = self._gauges = scheduler_gauges(self._reader, stats, self._gauges)
+        # num_batched_tokens: None, a scheduler snapshot is not an iteration
+        return StepStats(now, running, waiting, min(1.0, max(0.0, usage)), None)
 
     def drain(self) -> list[str]:
         """Forget every request in flight (the engine core is gone) and return their ids."""

@@ -52,6 +52,19 @@ class RequestTrace:
     def preempted_at(self) -> tuple[float, ...]:
         return tuple(ts for kind, ts in self.events if kind == PREEMPTED)
 
+    @property
+    def resumed_at(self) -> tuple[float, ...]:
+        """When it was scheduled again after each preemption."""
+        out = []
+        preempted = False
+        for kind, ts in self.events:
+            if kind == PREEMPTED:
+                preempted = True
+            elif kind == SCHEDULED and preempted:
+                out.append(ts)
+                preempted = False
+        return tuple(out)
+
     def preempted_time(self, finish_time: float) -> float:
         """Sum over preemptions of (next SCHEDULED - PREEMPTED); a request still waiting at
         its finish (aborted) counts until ``finish_time`` (same monotonic clock)."""

@@ -78,6 +78,24 @@ SCHEDULER_FIELDS = (
 )
 
 
+def scheduler_gauges(reader: FieldReader, sched: Any, last: tuple[int, int, float]) -> tuple[int, int, float]:
+    """vLLM's ``SchedulerStats`` as (running, waiting, KV cache usage), for either path: waiting
+    counts the deferred ("skipped") requests too, as vLLM's gauge does; a field gone keeps its
+    ``last`` value (said once through ``reader``)."""
+    running, waiting, usage = last
+    run_f, wait_f, usage_f = SCHEDULER_FIELDS
+    v = reader.number(sched, run_f.vllm, run_f.metric)
+    running = int(v) if v is not None else running
+    w = reader.number(sched, wait_f.vllm, wait_f.metric)
+    skipped = getattr(sched, "num_skipped_waiting_reqs", 0)
+    if type(skipped) is not int:
+        skipped = 0
+    waiting = int(w) + skipped if w is not None else waiting
+    u = reader.number(sched, usage_f.vllm, usage_f.metric)
+    usage = float(u) if u is not None else usage
+    return running, waiting, usage
+
+
 @dataclasses.dataclass(frozen=True)
 class VllmRequestSummary(RequestSummary):
     """A RequestSummary whose ``e2e`` is vLLM's own ``e2e_latency`` when known:
@@ -157,17 +175,7 @@ class StepTranslator:
         last = self._last_sched
         running, waiting, usage = last if last is not None else (0, 0, 0.0)
         if sched is not None:
-            run_f, wait_f, usage_f = SCHEDULER_FIELDS
-            v = r.number(sched, run_f.vllm, run_f.metric)
-            running = int(v) if v is not None else running
-            w = r.number(sched, wait_f.vllm, wait_f.metric)
-            skipped = getattr(sched, "num_skipped_waiting_reqs", 0)
-            if type(skipped) is not int:
-                skipped = 0
-            waiting = int(w) + skipped if w is not None else waiting
-            u = r.number(sched, usage_f.vllm, usage_f.metric)
-            usage = float(u) if u is not None else usage
-            self._last_sched = (running, waiting, usage)
+            running, waiting, usage = self._last_sched = scheduler_gauges(r, sched, (running, waiting, usage))
         # Only an iteration observes iteration_tokens_total (0 included), as vLLM does.
         batched = ts = None
         if it is not None:
@@ -217,7 +225,7 @@ class StepTranslator:
                         _told_unknown.append(True)
                         _log.warning(
                             "otel-llm: the causes of vLLM's preemptions are unknown without the deep hook "
-                            "(OTEL_LLM_VLLM_DEEP_HOOK=on, a vLLM it supports)"
+                            "(OTEL_LLM_VLLM_DEEP_HOOK not 0, a vLLM it attaches to)"
                         )
                     telemetry.record_finished(summary)
                     continue
@@ -245,6 +253,7 @@ class StepTranslator:
             num_preemptions=len(preemptions),
             preempted_time=trace.preempted_time(finish),
             preemptions=preemptions,
+            resumptions=trace.resumed_at,
             preemption_causes=causes,
             preemptions_by_cause=_by_kind(causes),
             num_preemptions_caused=trace.caused,
@@ -282,11 +291,13 @@ class StepTranslator:
         num_preemptions = r.number(f, "num_preemptions", "vllm:request_num_preemptions")
         arrival = finish_time - e2e if e2e is not None else None
         preemptions: tuple[tuple[float, int, str], ...] = ()
+        resumptions: tuple[float, ...] = ()
         causes: tuple[PreemptionCause, ...] = ()
         preempted_time = None
         ttft = None
         if deep is not None:
             preemptions = tuple((ts, 0, DEFAULT_PREEMPTION_REASON) for ts in deep.preempted_at)
+            resumptions = deep.resumed_at
             preempted_time = deep.preempted_time(finish_time)
             if deep.arrival_time is not None:
                 arrival = deep.arrival_time - offset
@@ -310,6 +321,7 @@ class StepTranslator:
             recomputed_tokens=0,
             cached_tokens=_int(getattr(f, "num_cached_tokens", 0)) or 0,
             preemptions=preemptions,
+            resumptions=resumptions,
             preemption_causes=causes,
             preemptions_by_cause=_by_kind(causes),
             num_preemptions_caused=deep.caused if deep is not None else 0,
