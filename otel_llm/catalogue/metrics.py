@@ -364,7 +364,7 @@ METRICS: tuple[MetricDef, ...] = (
 BY_KEY = {m.key: m for m in METRICS}
 PER_TENANT = frozenset(m.key for m in METRICS if m.per_tenant)
 # Counted only with a tenant source: no series at all without one.
-TENANT_ONLY = frozenset(("num_preemptions_by_tenant",))
+TENANT_ONLY = frozenset(("num_preemptions_by_tenant", "aborted_generation_tokens"))
 # Observed at each finished request: (metric key, RequestSummary field, field that must be non-zero).
 FINISH_OBSERVATIONS = tuple((m.key, m.summary_field, m.observed_if) for m in METRICS if m.summary_field)
 # Set or observed at each engine step: (metric key, StepStats field).

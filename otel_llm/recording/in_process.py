@@ -23,6 +23,7 @@ from otel_llm.catalogue.metrics import (
     SCOPE,
     STEP_GAUGES,
     STEP_HISTOGRAMS,
+    TENANT_ONLY,
     base_attributes,
     error_attributes,
     label_key,
@@ -327,7 +328,9 @@ class InProcessRecorder(_RequestObservations):
         else:
             label = self._label_keys[key]
             own = [({**self.attributes, label: v}, n) for v, n in list(self.labelled[key].items())]
-        if not self._per_tenant or key not in PER_TENANT:
+        if not self._per_tenant:
+            return [] if key in TENANT_ONLY else own
+        if key not in PER_TENANT:
             return own
         # With a tenant source, a request's counts are its tenant's: the recorder's own series
         # appear only for what no request carried (an engine's per-step totals).

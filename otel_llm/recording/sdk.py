@@ -107,7 +107,7 @@ class SdkRecorder:
         ``own_errors`` for a failed request's): the recorder's attributes or a tenant's."""
         i, attrs = self.i, self.attributes
         i["request_success"].add(1, {**own, self._finish_key: self._limit_finish(summary.finish_reason)})
-        if summary.finish_reason == "abort":
+        if summary.finish_reason == "abort" and self.config.tenant is not None:
             i["aborted_generation_tokens"].add(summary.generation_tokens, own)
         errors = own_errors if summary.finish_reason == "error" else None
         for key, value in finish_values(summary):

@@ -317,13 +317,11 @@ def test_with_its_own_providers_the_per_step_core_series_are_vllms_read_at_colle
     differ = {k: (v, got[k]) for k, v in expected.items() if k in got and v != got[k]}
     assert not missing, missing[:10]
     assert not differ, differ
-    # Beyond vLLM's: preemptions by reason (vLLM's, all kv_cache_full), no recomputed tokens, the
-    # attribution's series (without the deep hook: every cause unknown, nobody caused any), and the
-    # output tokens of aborted requests.
+    # Beyond vLLM's: preemptions by reason (vLLM's, all kv_cache_full), no recomputed tokens, and
+    # the attribution's series (without the deep hook: every cause unknown, nobody caused any).
     extra = {name for name, _ in set(got) - set(expected)}
     caused = "vllm:request_num_preemptions_caused"
     assert extra == {
-        "vllm:aborted_generation_tokens_total",
         "vllm:num_preemptions_by_reason_total",
         "vllm:num_recomputed_tokens_total",
         "vllm:num_preemptions_by_cause_total",
