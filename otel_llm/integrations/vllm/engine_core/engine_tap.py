@@ -16,7 +16,8 @@ What the engine core pays, and where:
   frontend (``EngineCoreProc._send_msg_tracking_payload``), its first buffer sent as one frame
   straight from vLLM's memory (copied only past a full socket), the requests added since (their
   id, arrival time, prompt length, ``max_tokens``, trace headers, priority, LoRA adapter name)
-  read and written before them, one non-blocking send; never an OpenTelemetry call, never an exception into vLLM;
+  read and written before them, one non-blocking send; never an OpenTelemetry call, never an
+  exception into vLLM;
 - its shutdown: a goodbye, after the backlog, waiting for it at most :data:`BYE_FLUSH_S`.
 
 Nothing is sent before the output thread has started, nor after the engine core said goodbye.

@@ -10,9 +10,9 @@ one Prometheus endpoint, with the settings the engine core tells at its hello (i
 name and ``max_model_len``) under the environment's, resolved as the stat-logger path resolves
 them (:func:`.plan.engine_config`). A tenant source reaches it only from what the engine core has
 of each request (its priority, its LoRA adapter, the served model): it sees no request header.
-An engine core that stops cleanly says so; one whose
-connection ends otherwise died: its requests in flight end, marked ``engine_dead``. When the serve
-exits, those still in flight end marked ``shutdown`` and everything is flushed.
+An engine core that stops cleanly says so; one whose connection ends otherwise died: its requests
+in flight end, marked ``engine_dead``. When the serve exits, those still in flight end marked
+``shutdown`` and everything is flushed.
 
 Never an exception into vLLM, and a failure costs only what failed: a frame that cannot be decoded
 or translated is skipped and counted (``engine_stream_unreadable``, said once); a connection whose
