@@ -4,8 +4,8 @@ themselves (``EngineTelemetry.record_finished``). No OpenTelemetry import."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
 
 # Why a request was cut short: RequestSummary.incomplete, the span's llm.request.incomplete.
 SHUTDOWN = "shutdown"  # the engine or the telemetry stopped with the request in flight
@@ -15,10 +15,13 @@ ENGINE_DEAD = "engine_dead"  # the engine (core) died with the request in flight
 @dataclass(frozen=True)
 class PreemptionCause:
     """The cause of one preemption: its kind (``otel_llm.events.CAUSE_*``) and, for ``request``
-    and ``self``, the ids of the requests whose KV demand it served."""
+    and ``self``, the ids of the requests whose KV demand it served; ``tenant_facts``: what its
+    engine knows of the first of them to take a tenant from (``RequestEvent.tenant_facts``), where
+    the source has it (None: its tenant is looked up by id)."""
 
     kind: str
     request_ids: tuple[str, ...] = ()
+    tenant_facts: Optional[Mapping[str, Any]] = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -34,7 +37,8 @@ class RequestSummary:
     (what they leave out is unknown); ``num_preemptions_caused``: the preemptions, of any
     request, itself included, that this request's KV demand caused. ``incomplete`` says why a
     request that did not run to its end was cut short (``"shutdown"``, ``"engine_dead"``),
-    ``error_type`` what failed it.
+    ``error_type`` what failed it. ``tenant_facts``: what its engine knows of it to take a
+    tenant from, as on an ARRIVED event (``RequestEvent.tenant_facts``).
     """
 
     request_id: str
@@ -61,6 +65,7 @@ class RequestSummary:
     num_preemptions_caused: int = 0
     incomplete: Optional[str] = None
     error_type: Optional[str] = None
+    tenant_facts: Optional[Mapping[str, Any]] = field(default=None, compare=False)
 
     @property
     def e2e(self) -> float:

@@ -124,8 +124,16 @@ class Stream:
 
         data = stream_channel.outputs_frame(MsgpackEncoder().encode(step.outputs))
         if step.given:
-            rows = [
-                [r.request_id, r.arrival_time, len(r.prompt_token_ids), r.sampling_params.max_tokens, r.trace_headers]
+            rows = [  # as the engine core's tap writes them (engine_tap._Tap._requests)
+                [
+                    r.request_id,
+                    r.arrival_time,
+                    len(r.prompt_token_ids),
+                    r.sampling_params.max_tokens,
+                    r.trace_headers,
+                    r.priority,
+                    r.lora_request.lora_name if r.lora_request else None,
+                ]
                 for r in step.given
             ]
             data = stream_channel.json_frame(stream_channel.REQUESTS, rows) + data

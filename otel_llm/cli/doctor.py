@@ -221,7 +221,9 @@ def doctor(out: TextIO, environ: Optional[Mapping[str, str]] = None) -> int:
     print(f"  request_num_preemptions buckets {', '.join(f'{b:g}' for b in config.preemption_buckets)}", file=out)
     print(f"  metrics exporters {', '.join(metrics)}; traces exporters {', '.join(traces)}", file=out)
     # The entry points here: the serving engines installed, else engine_stub (the demo's engine).
-    engines = [name for name, v in (("vllm", vllm_version), ("transformers", transformers_version)) if v is not None]
+    # vLLM's two frontends: its Python frontend ("vllm"), and the engine core's stream under its Rust frontend.
+    installed = (("vllm", vllm_version), ("vllm-engine-core", vllm_version), ("transformers", transformers_version))
+    engines = [name for name, v in installed if v is not None]
     tenant_line, tenant_refused = tenant_reach(config, engines or ["engine_stub"])
     print(f"  {tenant_line}", file=out)
     if "prometheus" in metrics:

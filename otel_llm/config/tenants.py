@@ -25,11 +25,14 @@ MAX_VALUE_LENGTH = 64
 
 # The sources each entry point's engine hands over per request (what otel-llm doctor reports).
 # engine_stub is no HTTP server: no headers; baggage comes with the trace context a caller passes
-# to ``add_request``. vLLM's and transformers' entry points hand over none yet: every source is
-# refused there.
+# to ``add_request``. vLLM's Python frontend ("vllm": its stat logger, with the deep hook) and,
+# under its Rust frontend, the engine core's stream ("vllm-engine-core") have each request's
+# priority and adapter, and the served model; neither sees a request header (vLLM hands its engine
+# only traceparent and tracestate). transformers hands over none yet: every source is refused.
 SOURCES_BY_ENTRY_POINT: dict[str, tuple[str, ...]] = {
     "engine_stub": ("priority", "lora", "model", "baggage"),
-    "vllm": (),
+    "vllm": ("priority", "lora", "model"),
+    "vllm-engine-core": ("priority", "lora", "model"),
     "transformers": (),
 }
 

@@ -17,7 +17,7 @@ from otel_llm.catalogue import drops
 from otel_llm.config.tenants import NO_CAUSE
 from otel_llm.core.tenants import TenantResolver
 from otel_llm.core.tracker import RequestState
-from otel_llm.events import CAUSE_UNKNOWN, RequestEvent
+from otel_llm.events import CAUSE_SELF, CAUSE_UNKNOWN, RequestEvent
 from otel_llm.recording.recorder import Recorder, RequestSeries
 from otel_llm.summary import RequestSummary
 from otel_llm.tracing.log_events import LogEvents
@@ -274,21 +274,52 @@ class RequestSink:
     def summary_finished(self, summary: RequestSummary, carrier: Any, metrics: bool, span: bool = True) -> None:
         """A request known only by its summary: its span (from arrival to finish, with the
         preemptions the summary lists) unless ``span`` is False, and, unless ``metrics`` is
-        False, its observations."""
+        False, its observations. With a tenant source, its tenant's series, and its preemptions
+        counted in the tenant matrix at its finish."""
+        series: Optional[RequestSeries] = self.metrics if metrics else None
+        tenant = cause_tenants = None
+        if self.tenants is not None:
+            tenant = self.tenants.resolve(summary.tenant_facts, carrier)
+            cause_tenants = self._cause_tenants(summary, tenant)
+            if summary.num_preemptions_caused:
+                _bounded_put(self._finished_tenants, summary.request_id, tenant)
+            if metrics:
+                tenant_series = self.metrics.for_tenant(tenant)
+                for cause_tenant in cause_tenants:
+                    tenant_series.preempted_by_tenant(cause_tenant)
+                series = tenant_series
         if not span:
             self._reserved.pop(summary.request_id, None)
-            if metrics:
-                self.metrics.finished(summary, self.spanless_exemplar, EMPTY_CONTEXT)
+            if series is not None:
+                series.finished(summary, self.spanless_exemplar, EMPTY_CONTEXT)
             return
         rid = summary.request_id
         opened = self._reserved.pop(rid, None)
         if opened is None:
             opened = self._open_span(rid, summary.arrival_time, summary.max_tokens, carrier, {})
-        span, exemplar, ctx = opened
-        self._summary_events(rid, span, summary)
-        self._finish(span, exemplar, ctx, summary, None, self.metrics if metrics else None)
+        span_, exemplar, ctx = opened
+        self._summary_events(rid, span_, summary, cause_tenants)
+        self._finish(span_, exemplar, ctx, summary, None if tenant is None else {TENANT: tenant}, series)
 
-    def _summary_events(self, rid: str, span: Any, summary: RequestSummary) -> None:
+    def _cause_tenants(self, summary: RequestSummary, tenant: str) -> list[str]:
+        """The tenant of each preemption's cause, in order (its first cause's when several): the
+        request's own when it was its own cause; from the facts the summary carries of it, else
+        by its id (a finished request), else none."""
+        causes = summary.preemption_causes
+        out = []
+        for n in range(summary.num_preemptions):
+            cause = causes[n] if n < len(causes) else None
+            if cause is None or not cause.request_ids:
+                out.append(NO_CAUSE)
+            elif cause.kind == CAUSE_SELF:
+                out.append(tenant)
+            elif cause.tenant_facts is not None and self.tenants is not None:
+                out.append(self.tenants.resolve(cause.tenant_facts, None))
+            else:
+                out.append(self._finished_tenants.get(cause.request_ids[0], NO_CAUSE))
+        return out
+
+    def _summary_events(self, rid: str, span: Any, summary: RequestSummary, cause_tenants: Optional[list[str]]) -> None:
         """The span events a request known by its summary had, in time order, as the events of a
         request followed step by step make them: each preemption (a log record too, per config), each
         resumption, the first token."""
@@ -308,9 +339,14 @@ class RequestSink:
                 _, tokens, reason = summary.preemptions[ordinal - 1]
                 cause = causes[ordinal - 1] if ordinal <= len(causes) else None
                 ids = cause.request_ids if cause is not None else ()
-                targets = (
-                    [(self._finished_target(c, summary), None) for c in ids if c != rid] if span is not None else []
-                )
+                targets = []
+                if span is not None:
+                    for c in ids:
+                        if c != rid:
+                            tenant = None
+                            if cause_tenants is not None:  # the first cause's is known; the others' by id
+                                tenant = cause_tenants[ordinal - 1] if c == ids[0] else self._tenant_of(c, None)
+                            targets.append((self._finished_target(c, summary), tenant))
                 kind = cause.kind if cause is not None else CAUSE_UNKNOWN
                 self._preemption_event(rid, span, ordinal, ts, tokens, reason, kind, ids, targets)
 

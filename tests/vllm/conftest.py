@@ -81,7 +81,7 @@ def otel(monkeypatch: pytest.MonkeyPatch, vllm_config):
     from otel_llm.integrations.vllm.series.series import VllmSeries
 
     class Otel:
-        def __init__(self, **config_overrides):
+        def __init__(self, tenant_sources=None, **config_overrides):
             self.reader = InMemoryMetricReader()
             self.spans = InMemorySpanExporter()
             config = otel_llm.TelemetryConfig(
@@ -97,13 +97,15 @@ def otel(monkeypatch: pytest.MonkeyPatch, vllm_config):
                 extra_metric_readers=[self.reader],
                 extra_span_processors=[SimpleSpanProcessor(self.spans)],
                 extra_views=VllmSeries(vllm_config, [0], config.naming).views(),
+                **({} if tenant_sources is None else {"tenant_sources": tenant_sources, "entry_point": "test"}),
             )
             plugin.use_handle(self.handle)
 
     made: list[Otel] = []
 
-    def make(**config_overrides) -> Otel:
-        o = Otel(**config_overrides)
+    def make(tenant_sources=None, **config_overrides) -> Otel:
+        """``tenant_sources``: those the entry point under test hands over (setup_telemetry's)."""
+        o = Otel(tenant_sources, **config_overrides)
         made.append(o)
         return o
 

@@ -33,9 +33,11 @@ def build_scheduler(
     max_num_seqs: int,
     max_num_batched_tokens: int,
     max_model_len: int,
+    policy: str = "fcfs",
 ) -> Any:
     """A real ``vllm.v1.core.sched.scheduler.Scheduler`` over ``num_blocks`` KV blocks of
-    :data:`BLOCK_SIZE` tokens, FCFS, chunked prefill, no prefix caching, synchronous, stats on."""
+    :data:`BLOCK_SIZE` tokens, ``policy`` (vLLM's ``fcfs`` or ``priority``), chunked prefill, no
+    prefix caching, synchronous, stats on."""
     import torch
     from vllm.config import CacheConfig, ModelConfig, SchedulerConfig
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -55,7 +57,7 @@ def build_scheduler(
                 "is_encoder_decoder": False,
                 "enable_chunked_prefill": True,
                 "async_scheduling": False,
-                "policy": "fcfs",
+                "policy": policy,
             },
         )
     )
@@ -90,6 +92,8 @@ class Spec(NamedTuple):
     prompt: list[int]
     max_tokens: int
     arrives: int  # the step before which it is added
+    priority: int = 0  # vLLM's: the lower, the sooner served (under the priority policy)
+    lora: Optional[str] = None  # a LoRA adapter's name (the scheduler has no LoRA config: it only carries it)
 
 
 def seeded_load(seed: int, count: int, *, prompt: tuple[int, int], output: tuple[int, int], spread: int) -> list[Spec]:
@@ -125,9 +129,18 @@ def make_request(spec: Spec) -> Any:
                 "sampling_params": params,
                 "pooling_params": None,
                 "arrival_time": float(spec.arrives),
+                "priority": spec.priority,
+                "lora_request": _adapter(spec.lora) if spec.lora else None,
             },
         )
     )
+
+
+def _adapter(name: str) -> Any:
+    """A ``LoRARequest`` the scheduler only carries (no LoRA config: nothing is loaded)."""
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(name, 1 + sum(map(ord, name)), lora_path=f"/adapters/{name}")
 
 
 def model_output(scheduler: Any, scheduler_output: Any) -> Any:

@@ -12,11 +12,13 @@ import queue
 import tempfile
 import threading
 import time
+from collections import Counter
+from contextlib import ExitStack
 from typing import Any, Iterator
 
 import pytest
 from samples import otel_samples
-from scheduler_load import Spec, build_scheduler, make_request, model_output
+from scheduler_load import Record, Spec, build_scheduler, make_request, model_output, seeded_load
 
 from otel_llm.catalogue.metrics import BY_KEY
 from otel_llm.integrations.vllm.engine_core import engine_tap
@@ -28,11 +30,16 @@ class Engine:
     """vLLM's ``EngineCoreProc`` with its real request, abort and output-thread methods (wrapped by
     the tap) over a real scheduler; not started (no model, no input thread): the test steps it."""
 
-    def __init__(self, model_dir: str, num_blocks: int = 64) -> None:
+    def __init__(self, model_dir: str, num_blocks: int = 64, policy: str = "fcfs", batched_tokens: int = 256) -> None:
         from vllm.v1.engine.core import EngineCoreProc
 
         scheduler = build_scheduler(
-            model_dir, num_blocks=num_blocks, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512
+            model_dir,
+            num_blocks=num_blocks,
+            max_num_seqs=8,
+            max_num_batched_tokens=batched_tokens,
+            max_model_len=512,
+            policy=policy,
         )
         self.core = EngineCoreProc.__new__(EngineCoreProc)
         self.core.scheduler = scheduler
@@ -60,7 +67,10 @@ class Engine:
                 self.received += 1
 
     def add(self, rid: str, prompt: int, max_tokens: int) -> None:
-        request = make_request(Spec(rid, list(range(3, 3 + prompt)), max_tokens, 0))
+        self.add_spec(Spec(rid, list(range(3, 3 + prompt)), max_tokens, 0))
+
+    def add_spec(self, spec: Spec) -> None:
+        request = make_request(spec)
         request.arrival_time = time.time()  # vLLM's frontend stamps it on the wall clock
         self.core.add_request(request)
 
@@ -141,6 +151,7 @@ def test_a_utility_call_before_the_first_request_loses_nothing(tapped: Any) -> N
     assert sorted(spans) == ["r0", "r1", "r2", "r3"]
     assert {s.attributes["gen_ai.usage.output_tokens"] for s in spans.values()} == {6}
     assert {s.attributes["gen_ai.response.finish_reasons"] for s in spans.values()} == {("length",)}
+    assert not [s for s in spans.values() if "llm.tenant" in s.attributes]  # no tenant source: no tenant
 
 
 def test_a_request_its_frontend_aborts_ends_while_the_server_runs(tapped: Any) -> None:
@@ -298,5 +309,151 @@ def test_the_hello_carries_the_engines_settings(tapped: Any, monkeypatch: Any) -
         assert BY_KEY["time_to_first_token_seconds"].boundaries(config) == BY_KEY[
             "time_to_first_token_seconds"
         ].boundaries(telemetry.config)  # not a family set
+    finally:
+        consumer.close()
+
+
+# 24 requests in three priority classes on 20 blocks of 16 tokens: the priority policy preempts
+# the lowest class first, and the classes preempt each other.
+TENANT_BLOCKS = 20
+TENANT_SEED = 2
+TENANT_STEPS = 2000
+
+
+def _tenant_specs() -> list[Spec]:
+    specs = seeded_load(TENANT_SEED, 24, prompt=(8, 48), output=(32, 128), spread=10)
+    return [s._replace(priority=int(s.request_id[-2:]) % 3) for s in specs]
+
+
+def _by_tenant(samples: dict[Any, float], name: str) -> dict[tuple[str, Any], float]:
+    """``{(tenant, le or None): value}`` of one sample name."""
+    return {(dict(k[1])["tenant"], dict(k[1]).get("le")): v for k, v in samples.items() if k[0] == name}
+
+
+def test_per_tenant_preemptions_and_the_matrix_are_the_schedulers_own(
+    otel: Any, model_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under the priority policy, with OTEL_LLM_TENANT=priority: each priority class's
+    request_num_preemptions (every bucket) and the tenant matrix equal the record taken by
+    wrapping vLLM's own scheduler methods (who preempted whom)."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from otel_llm.config.tenants import SOURCES_BY_ENTRY_POINT
+    from otel_llm.integrations.vllm.channels import cause_channel
+    from otel_llm.integrations.vllm.engine_core import engine_core
+    from otel_llm.integrations.vllm.frontend import deep_hook
+    from otel_llm.integrations.vllm.frontend.stream_consumer import ENTRY_POINT
+
+    folder = tempfile.mkdtemp(prefix="otel-llm-tap-")
+    monkeypatch.setenv(cause_channel.ENV, folder)  # the engine core's cause reports go to this consumer
+    monkeypatch.setattr(engine_core, "_sender", [])
+    o = otel(tenant_sources=SOURCES_BY_ENTRY_POINT[ENTRY_POINT], tenant="priority")
+    consumer = StreamConsumer(folder, handle=o.handle).start()
+    record = Record()
+    with ExitStack() as stack:
+        stack.callback(consumer.close)
+        stack.callback(engine_tap.uninstall)
+        assert engine_tap.install(folder)
+        stack.callback(record.install(Scheduler))
+        stack.callback(deep_hook.uninstall)
+        deep_hook._install_cause_reports()
+        engine = Engine(model_dir, num_blocks=TENANT_BLOCKS, policy="priority", batched_tokens=128)
+        stack.callback(engine.stop)
+        record.watch(engine.core.scheduler)
+        specs = _tenant_specs()
+        pending, finished = list(specs), 0
+        for step in range(TENANT_STEPS):
+            while pending and pending[0].arrives <= step:
+                engine.add_spec(pending.pop(0))
+            finished += sum(out.finish_reason is not None for eco in engine.step().values() for out in eco.outputs)
+            if not pending and finished == len(specs):
+                break
+        engine.all_sent()
+        wait_until(lambda: len(o.spans.get_finished_spans()) == len(specs), 30, what="every request span")
+
+    tenant = {s.request_id: str(s.priority) for s in specs}
+    suffered = Counter(p.victim for p in record.preemptions)
+    matrix = Counter((tenant[p.victim], tenant[p.cause]) for p in record.preemptions if p.cause is not None)
+    assert all(p.where == "schedule" and p.cause is not None for p in record.preemptions)
+    assert {v for v, c in matrix if v != c} and len(record.preemptions) >= 20  # the classes hurt each other
+    samples = otel_samples(o.reader, {"vllm:num_preemptions_by_tenant", "vllm:request_num_preemptions"})
+    assert {
+        (dict(k[1])["tenant"], dict(k[1])["cause_tenant"]): v
+        for k, v in samples.items()
+        if k[0] == "vllm:num_preemptions_by_tenant_total"
+    } == dict(matrix)
+    histogram = _by_tenant(samples, "vllm:request_num_preemptions_bucket")
+    bounds = sorted({le for _, le in histogram})
+    assert histogram == {
+        (t, le): sum(suffered[rid] <= le for rid in tenant if tenant[rid] == t)
+        for t in ("0", "1", "2")
+        for le in bounds
+    }
+    assert _by_tenant(samples, "vllm:request_num_preemptions_sum") == {
+        (t, None): sum(suffered[rid] for rid in tenant if tenant[rid] == t) for t in ("0", "1", "2")
+    }
+    spans = {s.attributes["gen_ai.request.id"]: s for s in o.spans.get_finished_spans()}
+    assert {rid: s.attributes["llm.tenant"] for rid, s in spans.items()} == tenant
+
+
+def test_the_adapter_is_the_tenant_and_a_base_model_request_the_served_model(
+    otel: Any, model_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from otel_llm.config.tenants import SOURCES_BY_ENTRY_POINT
+    from otel_llm.integrations.vllm.frontend.stream_consumer import ENTRY_POINT
+
+    folder = tempfile.mkdtemp(prefix="otel-llm-tap-")
+    o = otel(tenant_sources=SOURCES_BY_ENTRY_POINT[ENTRY_POINT], tenant="lora")
+    consumer = StreamConsumer(folder, handle=o.handle).start()
+    with ExitStack() as stack:
+        stack.callback(consumer.close)
+        stack.callback(engine_tap.uninstall)
+        assert engine_tap.install(folder)
+        engine = Engine(model_dir)
+        stack.callback(engine.stop)
+        for rid, lora in (("a", "team-a"), ("b", "team-b"), ("base", None), ("a2", "team-a")):
+            engine.add_spec(Spec(rid, list(range(3, 13)), 4, 0, lora=lora))
+        _run_until_finished(engine, 4)
+        engine.all_sent()
+        wait_until(lambda: len(o.spans.get_finished_spans()) == 4, 30, what="4 request spans")
+    served = engine.core.vllm_config.model_config.served_model_name
+    spans = {s.attributes["gen_ai.request.id"]: s for s in o.spans.get_finished_spans()}
+    assert {rid: s.attributes["llm.tenant"] for rid, s in spans.items()} == {
+        "a": "team-a",
+        "b": "team-b",
+        "base": served,
+        "a2": "team-a",
+    }
+    samples = otel_samples(o.reader, {"vllm:generation_tokens"})
+    assert _by_tenant(samples, "vllm:generation_tokens_total") == {
+        ("team-a", None): 8.0,
+        ("team-b", None): 4.0,
+        (served, None): 4.0,
+    }
+
+
+def test_a_source_the_engine_core_does_not_see_is_refused_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Under the Rust frontend the engine core sees no request header nor baggage: such a source
+    is refused with one warning, and the engine's telemetry runs without a tenant; its own
+    facts (priority, adapter, model) are kept."""
+    hello = {"engine": 0, "model": "served", "max_model_len": 512, "custom_histogram_buckets": {}}
+    monkeypatch.setenv("OTEL_METRICS_EXPORTER", "none")
+    consumer = StreamConsumer(tempfile.mkdtemp(prefix="otel-llm-refuse-")).start()
+    try:
+        for source, kept in (("header:x-team", None), ("baggage:team", None), ("lora", "lora"), ("model", "model")):
+            monkeypatch.setenv("OTEL_LLM_TENANT", source)
+            caplog.clear()
+            assert consumer._new_telemetry(0, hello).config.tenant == kept
+            refusals = [r.getMessage() for r in caplog.records if "does not reach" in r.getMessage()]
+            assert refusals == (
+                []
+                if kept
+                else [
+                    f"otel_llm: OTEL_LLM_TENANT={source} does not reach vllm-engine-core, which hands over "
+                    "priority, lora, model: no tenant label on any series"
+                ]
+            )
     finally:
         consumer.close()

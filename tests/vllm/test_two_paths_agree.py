@@ -66,7 +66,7 @@ def _stream_path(script: Script, o: Any, model: str, max_len: int) -> None:
         specs = {s.rid: s for s in script.specs}
         for step in range(script.last_step + 1):
             rows = [
-                [s.rid, script.w0 + step * 0.1, s.prompt, s.max_tokens or 0, None]
+                [s.rid, script.w0 + step * 0.1, s.prompt, s.max_tokens or 0, None, s.priority, s.lora]
                 for s in script.specs
                 if s.arrive == step
             ]
@@ -111,22 +111,26 @@ def _facts(span: Any) -> dict[str, Any]:
     }
 
 
-@pytest.fixture
-def two_paths(otel: Any, vllm_config: Any, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any, Script]:
-    monkeypatch.setenv("OTEL_LLM_VLLM_DEEP_HOOK", "1")
+def _both_paths(otel: Any, vllm_config: Any, specs: list[Any], **config: Any) -> tuple[Any, Any, Script]:
     model = vllm_config.model_config.served_model_name
     max_len = vllm_config.model_config.max_model_len
     # The script is sent at once: its steps are set in the past, as if each had been sent as it
     # happened (an arrival is never later than the moment it is read).
     past = 10.0
-    script = build(default_specs(), time.monotonic() - past, time.time() - past)
+    script = build(specs, time.monotonic() - past, time.time() - past)
     assert script.output_ts(script.last_step + 1) < time.monotonic()
-    streamed = otel(preemption_buckets=VLLM_PREEMPTION_BUCKETS)
+    streamed = otel(preemption_buckets=VLLM_PREEMPTION_BUCKETS, **config)
     _stream_path(script, streamed, model, max_len)
-    frontend = otel(preemption_buckets=VLLM_PREEMPTION_BUCKETS)  # the plugin's handle from here on
+    frontend = otel(preemption_buckets=VLLM_PREEMPTION_BUCKETS, **config)  # the plugin's handle from here on
     manager, _ = plugin_manager(vllm_config, [0])
     run(manager, {0: script})
     return frontend, streamed, script
+
+
+@pytest.fixture
+def two_paths(otel: Any, vllm_config: Any, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any, Script]:
+    monkeypatch.setenv("OTEL_LLM_VLLM_DEEP_HOOK", "1")
+    return _both_paths(otel, vllm_config, default_specs())
 
 
 def test_every_span_says_the_same_on_both_paths(two_paths: tuple[Any, Any, Script]) -> None:
@@ -169,3 +173,41 @@ def test_every_per_request_series_says_the_same_on_both_paths(two_paths: tuple[A
         elif key[0].endswith("_sum"):
             count = timed_ours[(key[0][: -len("_sum")] + "_count", key[1])]
             assert value == pytest.approx(timed_theirs[key], abs=SLACK_S * count), key
+
+
+# The request-scoped series the stat-logger path labels by tenant (a request's summary at its
+# finish); its per-step series name no request.
+PER_TENANT = {
+    "vllm:request_num_preemptions",
+    "vllm:request_success",
+    "vllm:num_preemptions_by_tenant",
+    "vllm:e2e_request_latency_seconds",
+    "vllm:request_queue_time_seconds",
+}
+
+
+@pytest.mark.parametrize("source", ["priority", "lora"])
+def test_both_paths_give_each_request_the_same_tenant(
+    source: str, otel: Any, vllm_config: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same priorities and adapters, handed over by the engine core's tap on one path and
+    by vLLM's output processor on the other: the same tenant on each span, the same counts per
+    tenant (no cause record here: every cause is ``none`` on both)."""
+    monkeypatch.setenv("OTEL_LLM_VLLM_DEEP_HOOK", "1")
+    specs = default_specs()
+    for i, spec in enumerate(specs):
+        spec.priority, spec.lora = i % 3, f"adapter-{i % 2}" if i % 3 else None
+    sources = ("priority", "lora", "model")
+    frontend, streamed, script = _both_paths(otel, vllm_config, specs, tenant=source, tenant_sources=sources)
+    served = vllm_config.model_config.served_model_name
+    expected = {s.rid: str(s.priority) if source == "priority" else s.lora or served for s in specs}
+    for o in (frontend, streamed):
+        assert {rid: span.attributes["llm.tenant"] for rid, span in _spans(o).items()} == expected
+    ours, theirs = otel_samples(frontend.reader, PER_TENANT), otel_samples(streamed.reader, PER_TENANT)
+    labelled = {k: v for k, v in ours.items() if "tenant" in dict(k[1])}
+    for key, value in labelled.items():
+        if not key[0].endswith("_sum"):
+            assert value == theirs[key], key
+    assert {k for k in theirs if "tenant" in dict(k[1])} == set(labelled)
+    matrix = {dict(k[1])["tenant"]: v for k, v in labelled.items() if k[0] == "vllm:num_preemptions_by_tenant_total"}
+    assert sum(matrix.values()) == sum(s.num_preemptions for s in script.specs) == 11

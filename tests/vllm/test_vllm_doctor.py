@@ -101,3 +101,17 @@ def test_the_rust_frontend_attaches_and_a_changed_stream_fails_it(monkeypatch: p
     status, rows, text = run({**DEEP, "VLLM_USE_RUST_FRONTEND": "1"})
     assert status == 1 and rows["vLLM Rust frontend"] == "FAIL", text
     assert "EngineCoreProc._send_msg_tracking_payload(socket, buffers), a staticmethod, not found" in text
+
+
+def test_the_tenant_source_is_said_for_each_vllm_frontend() -> None:
+    """vLLM's two frontends hand over the same tenant facts (priority, adapter, model): a header
+    or baggage source is refused by both and fails the doctor."""
+    local = {"OTEL_METRICS_EXPORTER": "none", "OTEL_TRACES_EXPORTER": "none"}
+    status, _, text = run({**local, "OTEL_LLM_TENANT": "priority"})
+    assert "  tenant priority (at most 20 values): reaches vllm, vllm-engine-core" in text, text
+    status, _, text = run({**local, "OTEL_LLM_TENANT": "header:x-team"})
+    assert status == 1, text
+    assert (
+        "reaches none of the entry points here; refused by vllm hands over priority, lora, model; "
+        "vllm-engine-core hands over priority, lora, model"
+    ) in text, text

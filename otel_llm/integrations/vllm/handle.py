@@ -9,6 +9,7 @@ import threading
 from typing import Any, Callable, Sequence
 
 _log = logging.getLogger("otel_llm.integrations.vllm")  # one logger for the vLLM adapter, whichever module logs
+ENTRY_POINT = "vllm"  # its tenant sources: otel_llm.config.tenants.SOURCES_BY_ENTRY_POINT
 
 _handle_lock = threading.Lock()
 _handle: Any = None  # otel_llm.export.setup.TelemetryHandle
@@ -55,9 +56,17 @@ def get_handle(config: Any, extra_views: Sequence[Any], extra_readers: Callable[
 def setup(config: Any, extra_views: Sequence[Any], extra_readers: Sequence[Any] = ()) -> Any:
     """setup_telemetry as every entry point calls it: a Prometheus port that another process on
     this host holds leaves this process without /metrics, its OTLP metrics and traces on."""
+    from otel_llm.config.tenants import SOURCES_BY_ENTRY_POINT
     from otel_llm.export.setup import setup_telemetry
 
-    return setup_telemetry(config, extra_views=extra_views, extra_metric_readers=extra_readers, port_taken="warn")
+    return setup_telemetry(
+        config,
+        extra_views=extra_views,
+        extra_metric_readers=extra_readers,
+        port_taken="warn",
+        tenant_sources=SOURCES_BY_ENTRY_POINT[ENTRY_POINT],
+        entry_point=ENTRY_POINT,
+    )
 
 
 def current() -> Any:

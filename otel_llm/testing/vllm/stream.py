@@ -21,7 +21,7 @@ from __future__ import annotations
 import collections
 import random
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 DT = 0.1  # seconds per engine step
 
@@ -39,6 +39,8 @@ class Spec:
     cached: int = 0  # prefix-cache hits (prompt tokens not computed)
     finish: str = "length"  # FinishReason name, lower case
     empty_last: bool = False  # the finishing output carries no token (e.g. an error finish)
+    priority: int = 0  # vLLM's scheduling priority
+    lora: Optional[str] = None  # a LoRA adapter's name (nothing is loaded: the frontend only carries it)
 
     @property
     def num_preemptions(self) -> int:
@@ -125,6 +127,7 @@ def engine_core_output(spec: Spec, out: Output) -> Any:
 
 def engine_core_request(spec: Spec, arrival_time: float) -> Any:
     from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
     from vllm.v1.engine import EngineCoreRequest
 
     return EngineCoreRequest(
@@ -134,10 +137,11 @@ def engine_core_request(spec: Spec, arrival_time: float) -> Any:
         sampling_params=SamplingParams(max_tokens=spec.max_tokens, detokenize=False, ignore_eos=True),
         pooling_params=None,
         arrival_time=arrival_time,
-        lora_request=None,
+        lora_request=LoRARequest(spec.lora, 1, lora_path=f"/adapters/{spec.lora}") if spec.lora else None,
         cache_salt=None,
         data_parallel_rank=None,
         external_req_id=spec.rid,
+        priority=spec.priority,
     )
 
 
@@ -157,11 +161,17 @@ def scheduler_stats(script: Script, step: int, outs: list[Output]) -> Any:
     )
 
 
-def run(manager: Any, streams: dict[int, Script], steps: Optional[int] = None) -> Any:
+def run(
+    manager: Any,
+    streams: dict[int, Script],
+    steps: Optional[int] = None,
+    before_outputs: Optional[Callable[[int], None]] = None,
+) -> Any:
     """Drive the scripts of several engines (engine index -> script) through one real
     OutputProcessor and ``manager.record`` (as AsyncLLM's output handler does); only the first
     ``steps`` steps if given, the requests still in flight then left in the processor, which is
-    returned."""
+    returned. ``before_outputs(step)``: called once the step's requests are added, before its
+    outputs are processed (what an engine core sends meanwhile, e.g. cause records)."""
     from vllm.v1.engine.output_processor import OutputProcessor
     from vllm.v1.metrics.stats import IterationStats
 
@@ -169,10 +179,13 @@ def run(manager: Any, streams: dict[int, Script], steps: Optional[int] = None) -
     specs = {idx: {s.rid: s for s in script.specs} for idx, script in streams.items()}
     last = max(script.last_step for script in streams.values())
     for step in range(last + 1 if steps is None else steps):
-        for idx, script in streams.items():
+        for script in streams.values():
             for spec in script.specs:
                 if spec.arrive == step:
                     processor.add_request(engine_core_request(spec, script.w0 + step * DT), None)
+        if before_outputs is not None:
+            before_outputs(step)
+        for idx, script in streams.items():
             outs = script.outputs.get(step, [])
             engine_outputs = [engine_core_output(specs[idx][o.rid], o) for o in outs]
             iteration_stats = IterationStats() if engine_outputs else None

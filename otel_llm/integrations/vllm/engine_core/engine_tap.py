@@ -14,9 +14,9 @@ What the engine core pays, and where:
   vLLM's custom histogram buckets), said first on every connection; per output message: the bytes
   vLLM has just encoded for its frontend (``EngineCoreProc._send_msg_tracking_payload``), its
   first buffer sent as one frame straight from vLLM's memory (copied only past a full socket), the
-  requests added since (their id, arrival time, prompt length, ``max_tokens``, trace headers) read
-  and written before them, one non-blocking send; never an OpenTelemetry call, never an exception
-  into vLLM;
+  requests added since (their id, arrival time, prompt length, ``max_tokens``, trace headers,
+  priority, LoRA adapter name) read and written before them, one non-blocking send; never an
+  OpenTelemetry call, never an exception into vLLM;
 - its shutdown: a goodbye, after the backlog, waiting for it at most :data:`BYE_FLUSH_S`.
 
 Nothing is sent before the output thread has started, nor after the engine core said goodbye.
@@ -118,6 +118,8 @@ class _Tap:
             params = getattr(request, "sampling_params", None)
             max_tokens = getattr(params, "max_tokens", None)
             headers = getattr(request, "trace_headers", None)
+            priority = getattr(request, "priority", None)
+            lora = getattr(getattr(request, "lora_request", None), "lora_name", None)
             rows.append(
                 [
                     str(request.request_id),
@@ -125,6 +127,8 @@ class _Tap:
                     len(request.prompt_token_ids or ()),
                     max_tokens if isinstance(max_tokens, int) else 0,
                     dict(headers) if headers else None,
+                    priority if isinstance(priority, int) else None,  # the tenant facts the engine core has
+                    str(lora) if lora else None,
                 ]
             )
         lost = self.lost_requests - self._lost_told

@@ -65,7 +65,8 @@ def drain() -> None:
                     cause.caused += 1
             if victim is not None:
                 ids = tuple(c.external_id or rid if c is not None else rid for rid, c in zip(record.causes, known))
-                victim.causes[record.ordinal] = (record.kind, ids, record.causes)
+                facts = known[0].tenant_facts if known and known[0] is not None else None
+                victim.causes[record.ordinal] = (record.kind, ids, record.causes, facts)
 
 
 def take_lost() -> int:
@@ -93,8 +94,8 @@ def causes_of(trace: traces.RequestTrace, num_preemptions: int) -> tuple[Preempt
                     "records lost): that cause is unknown",
                 )
             continue
-        kind, ids, _ = reported
-        out.append(PreemptionCause(kind, ids))
+        kind, ids, _, facts = reported
+        out.append(PreemptionCause(kind, ids, facts))
     return tuple(out)
 
 
@@ -102,7 +103,7 @@ def causes_in_flight(trace: traces.RequestTrace) -> list[traces.RequestTrace]:
     """The traces of the request's causes that are still to be translated here (their spans can
     be opened ahead for links)."""
     out: list[traces.RequestTrace] = []
-    for _, _, internal in trace.causes.values():
+    for _, _, internal, _ in trace.causes.values():
         for rid in internal:
             cause = traces.in_flight.get(rid)
             if cause is not None and cause is not trace and cause not in out:

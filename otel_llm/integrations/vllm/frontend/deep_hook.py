@@ -275,6 +275,15 @@ def _wrap(owner: type, name: str, wrapper: Callable) -> None:
     setattr(owner, name, wrapper)
 
 
+def tenant_facts(request: Any) -> dict[str, Any]:
+    """What vLLM's ``EngineCoreRequest`` tells to take a tenant from: its priority and LoRA
+    adapter's name (a base-model request: none, the served model then). vLLM passes only
+    ``traceparent`` and ``tracestate`` as trace headers: no other header, no ``baggage``."""
+    priority = getattr(request, "priority", None)
+    lora = getattr(getattr(request, "lora_request", None), "lora_name", None)
+    return {"priority": priority if isinstance(priority, int) else None, "lora": str(lora) if lora else None}
+
+
 def frontend_problem() -> Optional[str]:
     """Why the deep hook's Python-frontend parts (the caller's trace context, aborted requests,
     the requests in flight at a shutdown or an engine death) cannot attach here, or None."""
@@ -354,6 +363,7 @@ def _install_trace_context_capture(warn_once: Callable[[str, BaseException], Non
                 trace.internal_id = str(request.request_id)
                 trace.external_id = str(getattr(req_state, "external_req_id", None) or request.request_id)
                 trace.arrival_time = getattr(req_state.stats, "arrival_time", None)
+                trace.tenant_facts = tenant_facts(request)
                 traces.arrived(trace.internal_id, trace)
         except Exception as exc:  # noqa: BLE001 - never into vLLM's request path
             warn_once("keeping the request's trace", exc)

@@ -208,6 +208,7 @@ class StepTranslator:
             num_preemptions_caused=trace.caused,
             incomplete=ended.incomplete,
             error_type=ended.error_type,
+            tenant_facts=trace.tenant_facts,
         )
         self._open_causes(telemetry, trace, offset)
         telemetry.record_finished(summary, trace.carrier, metrics=False)
@@ -276,6 +277,7 @@ class StepTranslator:
             num_preemptions_caused=deep.caused if deep is not None else 0,
             # Aborted by vLLM's shutdown (in flight when it began), not by its client.
             incomplete=SHUTDOWN if deep is not None and deep.stopping and str(reason) == "abort" else None,
+            tenant_facts=deep.tenant_facts if deep is not None else None,
             **values,
         )
 

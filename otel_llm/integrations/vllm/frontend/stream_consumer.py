@@ -8,10 +8,11 @@ its frontend. Per engine: one ``EngineTelemetry`` (label ``engine``: its index) 
 environment, with a ``service.instance.id`` of its own (the serve's, ``-engine-N``), all served on
 one Prometheus endpoint, with the settings the engine core tells at its hello (its served model's
 name, ``max_model_len``, vLLM's custom histogram buckets) under the environment's, resolved as the
-stat-logger path resolves them (:func:`.plan.engine_config`). An engine core that stops cleanly
-says so; one whose connection ends otherwise died: its requests in flight end, marked
-``engine_dead``. When the serve exits, those still in flight end marked ``shutdown`` and
-everything is flushed.
+stat-logger path resolves them (:func:`.plan.engine_config`). A tenant source reaches it only from
+what the engine core has of each request (its priority, its LoRA adapter, the served model): it
+sees no request header. An engine core that stops cleanly says so; one whose connection ends
+otherwise died: its requests in flight end, marked ``engine_dead``. When the serve exits, those
+still in flight end marked ``shutdown`` and everything is flushed.
 
 Never an exception into vLLM, and a failure costs only what failed: a frame that cannot be decoded
 or translated is skipped and counted (``engine_stream_unreadable``, said once); a connection whose
@@ -35,6 +36,7 @@ import time
 from typing import Any, Callable, Optional
 
 from otel_llm.catalogue import drops
+from otel_llm.config.tenants import SOURCES_BY_ENTRY_POINT
 from otel_llm.export import resource as resources
 from otel_llm.integrations.vllm.channels import cause_channel, stream_channel
 from otel_llm.integrations.vllm.plan import engine_config
@@ -44,6 +46,8 @@ from otel_llm.integrations.vllm.translation.stream_translate import StreamTransl
 from otel_llm.summary import ENGINE_DEAD, SHUTDOWN
 
 _log = logging.getLogger("otel_llm.integrations.vllm")
+
+ENTRY_POINT = "vllm-engine-core"  # its tenant sources: otel_llm.config.tenants.SOURCES_BY_ENTRY_POINT
 
 MAX_CAUSES = 65_536  # cause records kept until their preemption's output comes
 MAX_UNCREDITED = 1024  # cause records kept until their victim is known, to credit its causes
@@ -280,7 +284,8 @@ class StreamConsumer:
         telemetry = self._telemetry_by_index.get(index)
         if telemetry is None:
             telemetry = self._telemetry_by_index[index] = self._new_telemetry(index, hello)
-        translator = StreamTranslator(_publisher(telemetry), self._cause_of, self._drain_causes, self._reader)
+        model = str(hello.get("model") or "") or None
+        translator = StreamTranslator(_publisher(telemetry), self._cause_of, self._drain_causes, self._reader, model)
         engine = self._by_index[index] = _Engine(index, telemetry, translator)
         return engine
 
@@ -301,7 +306,14 @@ class StreamConsumer:
         serve_on = self._handles[0].prometheus if self._handles else None
         if self._handles and serve_on is None:
             config = without_prometheus(config)  # the first engine's endpoint is not there: none tries again
-        handle = setup_telemetry(config, port_taken="warn", serve_on=serve_on)
+        # The engine core sees no request headers: only its own tenant facts reach the telemetry.
+        handle = setup_telemetry(
+            config,
+            port_taken="warn",
+            serve_on=serve_on,
+            tenant_sources=SOURCES_BY_ENTRY_POINT[ENTRY_POINT],
+            entry_point=ENTRY_POINT,
+        )
         # Ours to shut down, after the requests in flight are ended (close), not before them.
         atexit.unregister(handle.shutdown)
         self._handles.append(handle)

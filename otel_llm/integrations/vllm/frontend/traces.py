@@ -32,6 +32,7 @@ class RequestTrace:
         "external_id",
         "causes",
         "caused",
+        "tenant_facts",
     )
 
     def __init__(self) -> None:
@@ -44,9 +45,12 @@ class RequestTrace:
         self.internal_id: Optional[str] = None  # vLLM's request id in the engine core
         self.external_id: Optional[str] = None  # the id the client knows (the internal one has a suffix)
         # Preemption ordinal -> (cause kind, the causes' ids as the client knows them where this
-        # server has them, their internal ids), as the engine core reported it.
-        self.causes: dict[int, tuple[str, tuple[str, ...], tuple[str, ...]]] = {}
+        # server has them, their internal ids, the first cause's tenant facts if it is here), as
+        # the engine core reported it.
+        self.causes: dict[int, tuple[str, tuple[str, ...], tuple[str, ...], Optional[dict]]] = {}
         self.caused = 0  # preemptions this request's KV demand caused (itself included)
+        # What a tenant is taken from (RequestEvent.tenant_facts): its priority and LoRA adapter.
+        self.tenant_facts: Optional[dict] = None
 
     @property
     def preempted_at(self) -> tuple[float, ...]:

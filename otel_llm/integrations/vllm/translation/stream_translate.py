@@ -3,12 +3,13 @@
 Per request, on the engine core's own clock (``time.monotonic()``, the same clock host-wide):
 ARRIVED as soon as the engine core tells what it was given (:mod:`.engine_tap`), at its arrival
 (vLLM's wall-clock ``arrival_time`` brought onto that clock) with its prompt length,
-``max_tokens`` and trace headers, so that a request that causes a preemption before its first
-output is known; QUEUED / SCHEDULED / PREEMPTED at the timestamps vLLM's scheduler recorded (never
-before the arrival taken: the two clocks are read apart), a preemption with its cause when the
-engine core reported one (:mod:`.engine_core`); FIRST_TOKEN / TOKENS at the step's timestamp;
-FINISHED with vLLM's finish reason. A request whose given row was lost arrives at its first
-engine-core event. Per step, ``SchedulerStats`` as ``StepStats``.
+``max_tokens``, trace headers and tenant facts (its priority, LoRA adapter, the served model), so
+that a request that causes a preemption before its first output is known; QUEUED / SCHEDULED /
+PREEMPTED at the timestamps vLLM's scheduler recorded (never before the arrival taken: the two
+clocks are read apart), a preemption with its cause when the engine core reported one
+(:mod:`.engine_core`); FIRST_TOKEN / TOKENS at the step's timestamp; FINISHED with vLLM's finish
+reason. A request whose given row was lost arrives at its first engine-core event (its tenant
+facts: the served model only). Per step, ``SchedulerStats`` as ``StepStats``.
 
 A request its frontend ends (a client gone, a stop string its detokenizer found, an explicit
 abort) gets no output: the engine core's tap tells its abort at once, with its time
@@ -122,8 +123,10 @@ class StreamTranslator:
         cause_of: Callable[[str, int], Optional[CauseRecord]],
         drain_causes: Callable[[], None],
         reader: FieldReader,
+        model: Optional[str] = None,
     ) -> None:
         self._publish = publish
+        self._model = model  # the served model's name, from the hello: the tenant fact "model"
         self._reader = reader
         self._gauges: tuple[int, int, float] = (0, 0, 0.0)  # the last SchedulerStats read
         self._cause_of = cause_of
@@ -138,7 +141,8 @@ class StreamTranslator:
 
     def given(self, rows: list[list[Any]]) -> None:
         """The engine core's REQUESTS frame: [id, arrival (wall clock), prompt tokens, max_tokens,
-        headers] per request added: each arrives."""
+        headers, priority, LoRA adapter name] per request added (a row of the first five only:
+        no tenant facts but the model): each arrives, with its tenant facts."""
         now = time.monotonic()
         wall = time.time() - now
         events = []
@@ -146,7 +150,8 @@ class StreamTranslator:
             if row and row[0] == "lost":
                 self.lost_requests += int(row[1])
                 continue
-            request_id, arrival, prompt_tokens, max_tokens, headers = row
+            request_id, arrival, prompt_tokens, max_tokens, headers = row[:5]
+            priority, lora = (row[5], row[6]) if len(row) >= 7 else (None, None)
             rid = str(request_id)
             if rid in self._running:
                 continue
@@ -160,6 +165,7 @@ class StreamTranslator:
                     prompt_tokens=int(prompt_tokens),
                     max_tokens=int(max_tokens),
                     trace_context=dict(headers) if headers else None,
+                    tenant_facts={"priority": priority, "lora": lora, "model": self._model},
                 )
             )
         if events:
@@ -236,7 +242,7 @@ class StreamTranslator:
         if running is None:
             arrived = min((e.timestamp for e in core_events), default=now)
             running = self._track(rid, arrived)
-            events.append(self._arrived(rid, out, arrived))
+            events.append(self._arrived(rid, out, arrived, self._model))
         for e in core_events:
             kind, at = int(e.type), max(e.timestamp, running.arrived)
             if kind == _QUEUED:
@@ -259,8 +265,9 @@ class StreamTranslator:
             del self._running[rid]
 
     @staticmethod
-    def _arrived(rid: str, out: Any, at: float) -> RequestEvent:
-        """A request the engine core's given rows did not name (lost): what its output says."""
+    def _arrived(rid: str, out: Any, at: float, model: Optional[str]) -> RequestEvent:
+        """A request the engine core's given rows did not name (lost): what its output says (no
+        priority, no adapter)."""
         prefill = getattr(out, "prefill_stats", None)
         return RequestEvent(
             EventType.ARRIVED,
@@ -268,6 +275,7 @@ class StreamTranslator:
             at,
             prompt_tokens=int(getattr(prefill, "num_prompt_tokens", 0) or 0),
             trace_context=dict(out.trace_headers) if out.trace_headers else None,
+            tenant_facts={"model": model},
         )
 
     def _preempted(self, rid: str, ordinal: int, at: float) -> RequestEvent:
