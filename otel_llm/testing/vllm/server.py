@@ -291,6 +291,7 @@ class Load:
     seed: int = 0
     traced: bool = True  # send a traceparent header with each request
     extra_headers: dict[int, dict[str, str]] = field(default_factory=dict)  # per request index
+    priorities: int = 0  # above 0: request i asks for priority i % priorities (vLLM's priority scheduling)
 
     def prompts(self) -> list[list[int]]:
         rng = random.Random(self.seed)
@@ -309,6 +310,8 @@ async def _complete(
         headers["traceparent"], result.trace_id, result.parent_span_id = traceparent(index, load.seed)
     headers.update(load.extra_headers.get(index, {}))
     body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": load.max_tokens, "temperature": 0, "ignore_eos": True}
+    if load.priorities:
+        body["priority"] = index % load.priorities
     async with semaphore:
         start = time.monotonic()
         async with session.post(f"{url}/v1/completions", json=body, headers=headers) as response:

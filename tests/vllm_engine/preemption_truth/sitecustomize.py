@@ -4,7 +4,8 @@ environment. Every process loads it at start; the engine core, the one whose sch
 appends one JSON line per preemption to the file: the victim (vLLM's internal request id), its
 preemption count after it, and why: inside ``schedule()``, the request whose
 ``kv_cache_manager.allocate_slots`` call came last (the one the preemption makes room for);
-inside ``reset_prefix_cache``, a cache reset. (otel-llm reads the scheduler's frame instead.)
+inside ``reset_prefix_cache``, a cache reset; and the scheduling priority of the victim and of
+that request. (otel-llm reads the scheduler's frame instead.)
 
 Loaded as ``sitecustomize``: vLLM is patched when its scheduler module is first imported.
 """
@@ -55,11 +56,15 @@ def _patch(module):
     def preempting(self, request, *args, **kwargs):
         result = preempt(self, request, *args, **kwargs)
         where = state["in"]
+        cause = state["allocating"] if where == "schedule" else None
         line = {
             "victim": request.request_id,
             "ordinal": request.num_preemptions,
             "where": where,
-            "cause": state["allocating"] if where == "schedule" else None,
+            "cause": cause,
+            # The scheduling priorities of both, as the scheduler holds them.
+            "victim_priority": request.priority,
+            "cause_priority": self.requests[cause].priority if cause in self.requests else None,
         }
         with open(TRUTH, "a") as f:
             f.write(json.dumps(line) + "\n")

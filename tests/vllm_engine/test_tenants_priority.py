@@ -1,0 +1,96 @@
+"""Tenants by priority class on vLLM's real engine (CPU build), under either frontend: with
+``--scheduling-policy priority`` and ``OTEL_LLM_TENANT=priority``, a load of three priority classes
+under KV pressure. Who suffered and who caused it, by class, against the engine core's own record
+(tests/vllm_engine/preemption_truth, which now writes the victim's and the cause's priority as the
+scheduler holds them): the tenant matrix, each class's ``request_num_preemptions``, and their sums
+against vLLM's own /metrics (the Rust frontend's under it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from otel_llm.testing.vllm.server import Load, VllmServer, run_load, rust_frontend_missing, scrape
+from tests.support.backends import require_backend, wait_until
+
+CLASSES = 3
+LOAD = Load(requests=48, concurrency=48, max_tokens=96, seed=5, traced=False, priorities=CLASSES)
+TRUTH_RECORDER = Path(__file__).resolve().parent / "preemption_truth"
+Samples = dict[tuple[str, frozenset], float]
+
+
+@dataclass
+class Run:
+    truth: list[dict[str, Any]]  # the engine core's preemptions, with both priorities
+    ours: Samples  # otel-llm's /metrics, every request counted
+    theirs: Samples  # vLLM's own /metrics (the Rust frontend's under it)
+
+
+def _total(samples: Samples, name: str) -> float:
+    return sum(v for (n, _), v in samples.items() if n == name)
+
+
+def _by_tenant(samples: Samples, name: str) -> dict[str, float]:
+    out: Counter[str] = Counter()
+    for (n, labels), v in samples.items():
+        if n == name:
+            out[dict(labels)["tenant"]] += v
+    return dict(out)
+
+
+@pytest.fixture(scope="module", params=["python", "rust"])
+def run(request: Any, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
+    rust = request.param == "rust"
+    if rust and (missing := rust_frontend_missing()) is not None:
+        require_backend("vllm-rs", missing)
+    truth_file = tmp_path_factory.mktemp("tenant-truth") / "preemptions.jsonl"
+    server = VllmServer(
+        tiny_model,
+        env={
+            "OTEL_LLM_TENANT": "priority",
+            "PYTHONPATH": os.pathsep.join(p for p in (str(TRUTH_RECORDER), os.environ.get("PYTHONPATH")) if p),
+            "OTEL_LLM_TEST_PREEMPTION_TRUTH": str(truth_file),
+        },
+        args=("--scheduling-policy", "priority"),
+        rust_frontend=rust,
+    )
+    with server:
+        completions = run_load(server.url, LOAD)
+        assert [c.status for c in completions] == [200] * LOAD.requests, server.log_tail()
+
+        def counted(url: str) -> Samples:
+            samples = scrape(url)
+            return samples if _total(samples, "vllm:request_success_total") >= LOAD.requests else {}
+
+        theirs = wait_until(lambda: counted(server.url + "/metrics"), 60, interval=0.2, what="vLLM's count")
+        ours = wait_until(lambda: counted(server.metrics_url), 60, interval=0.2, what="otel-llm's count")
+        yield Run([json.loads(line) for line in truth_file.read_text().splitlines()], ours, theirs)
+
+
+def test_the_tenant_matrix_is_the_engine_cores_record(run: Run) -> None:
+    truth = Counter((str(t["victim_priority"]), str(t["cause_priority"])) for t in run.truth if t["cause"])
+    assert sum(truth.values()) == len(run.truth) >= 20  # every preemption made room for a request
+    assert any(victim != cause for victim, cause in truth), truth  # some crossed classes
+    ours = {
+        (dict(labels)["tenant"], dict(labels)["cause_tenant"]): v
+        for (n, labels), v in run.ours.items()
+        if n == "vllm:num_preemptions_by_tenant_total" and v
+    }
+    assert ours == dict(truth)
+
+
+def test_each_class_has_its_own_preemption_histogram_summing_to_vllms(run: Run) -> None:
+    per_class = Counter(str(t["victim_priority"]) for t in run.truth)
+    sums = _by_tenant(run.ours, "vllm:request_num_preemptions_sum")
+    counts = _by_tenant(run.ours, "vllm:request_num_preemptions_count")
+    assert {k: v for k, v in sums.items() if v} == dict(per_class)
+    assert counts == {str(c): LOAD.requests / CLASSES for c in range(CLASSES)}
+    for name in ("vllm:request_num_preemptions_sum", "vllm:request_num_preemptions_count"):
+        assert _total(run.ours, name) == _total(run.theirs, name), name
