@@ -104,7 +104,8 @@ class Sender:
         return True
 
     def flush(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds for the backlog to be sent; True when it was."""
+        """Wait up to ``timeout`` seconds for the backlog to be sent; True when it was (False when
+        the consumer went away meanwhile: the backlog is lost with it, counted)."""
         deadline = time.monotonic() + timeout
         while self._pending and self._peer is not None:
             left = deadline - time.monotonic()
@@ -115,7 +116,7 @@ class Sender:
             except (OSError, ValueError):
                 break
             self._drain(self._peer)
-        return not self._pending
+        return not self._pending and self._peer is not None
 
     def _lose(self) -> bool:
         self.lost += 1
