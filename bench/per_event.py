@@ -28,6 +28,8 @@ CONFIG_SPANS = dataclasses.replace(CONFIG, spans=True)
 CONFIG_LOG = dataclasses.replace(CONFIG_SPANS, preemption_events="log")
 CONFIG_BOTH = dataclasses.replace(CONFIG_SPANS, preemption_events="both")
 CONFIG_EXPONENTIAL = dataclasses.replace(CONFIG, histogram_aggregation="base2_exponential_bucket_histogram")
+CONFIG_TENANTS = dataclasses.replace(CONFIG, tenant="priority")
+CONFIG_SPANS_TENANTS = dataclasses.replace(CONFIG_SPANS, tenant="priority")
 
 SUBSCRIBERS: dict[str, tuple[str, Callable[[], Any]]] = {
     "ours": ("EngineTelemetry, fast path, spans off", lambda: otel_subscriber(CONFIG)),
@@ -44,6 +46,11 @@ SUBSCRIBERS: dict[str, tuple[str, Callable[[], Any]]] = {
         "ours with exponential histograms (cells keep base-2 buckets too)",
         lambda: otel_subscriber(CONFIG_EXPONENTIAL),
     ),
+    "ours_tenants8": (
+        "ours with OTEL_LLM_TENANT=priority, 8 tenants (every request-scoped series per tenant, the matrix)",
+        lambda: otel_subscriber(CONFIG_TENANTS),
+    ),
+    "ours_spans_tenants8": ("ours_spans with 8 tenants", lambda: otel_subscriber(CONFIG_SPANS_TENANTS)),
     "floor": ("(a) floor: stats[k] += 1 per event", CountingSubscriber),
     "prometheus_client": (
         "(b) vLLM-style prometheus_client, bound children, same Tracker",
@@ -115,6 +122,8 @@ def sanity(mix: EventMix) -> dict[str, Any]:
         "ours_spans_log",
         "ours_spans_both",
         "ours_exponential",
+        "ours_tenants8",
+        "ours_spans_tenants8",
         "prometheus_client",
         "naive_otel",
     ):
@@ -188,6 +197,9 @@ def run(tiny: bool, reps: int) -> dict[str, Any]:
             "ours_spans_both/ours_spans": ratio(ns["ours_spans_both"], ns["ours_spans"]),
             "ours_exponential/ours": ratio(ns["ours_exponential"], ns["ours"]),
             "ours_exponential/prometheus_client": ratio(ns["ours_exponential"], ns["prometheus_client"]),
+            "ours_tenants8/ours": ratio(ns["ours_tenants8"], ns["ours"]),
+            "ours_tenants8/prometheus_client": ratio(ns["ours_tenants8"], ns["prometheus_client"]),
+            "ours_spans_tenants8/ours_spans": ratio(ns["ours_spans_tenants8"], ns["ours_spans"]),
         },
         "sanity": check,
     }
@@ -202,6 +214,10 @@ def run(tiny: bool, reps: int) -> dict[str, Any]:
             [a / b for a, b in zip(measured["ours_spans_both"], measured["ours_spans"])]
         ),
         "ours_exponential/ours": median([a / b for a, b in zip(measured["ours_exponential"], measured["ours"])]),
+        "ours_tenants8/ours": median([a / b for a, b in zip(measured["ours_tenants8"], measured["ours"])]),
+        "ours_spans_tenants8/ours_spans": median(
+            [a / b for a, b in zip(measured["ours_spans_tenants8"], measured["ours_spans"])]
+        ),
     }
     out["proposals"] = {
         "equal_totals": proposals.check_equal(mix),
@@ -235,5 +251,6 @@ def run(tiny: bool, reps: int) -> dict[str, Any]:
         "ours <= 5x floor": out["ratios"]["ours/floor"] <= 5.0,
         "ours_spans_log <= 1.0x prometheus_client": out["ratios"]["ours_spans_log/prometheus_client"] <= 1.0,
         "ours_spans_both <= 1.0x prometheus_client": out["ratios"]["ours_spans_both/prometheus_client"] <= 1.0,
+        "ours_tenants8 <= 1.0x prometheus_client": out["ratios"]["ours_tenants8/prometheus_client"] <= 1.0,
     }
     return out

@@ -38,6 +38,9 @@ class _Req:
     started: bool = False  # had its first token
 
 
+TENANTS = 8
+
+
 def event_mix(
     num_steps: int,
     running: int = 256,
@@ -60,7 +63,13 @@ def event_mix(
         max_tokens = max(target, 256) if rng.random() < 0.7 else target
         req = _Req(f"req-{seed}-{next_id:07d}", prompt, target, max_tokens)
         next_id += 1
-        out.append(RequestEvent(EventType.ARRIVED, req.rid, ts, prompt_tokens=prompt, max_tokens=max_tokens))
+        # Eight tenants by priority (read only with OTEL_LLM_TENANT=priority: per_event's ours_tenants8).
+        facts = {"priority": next_id % TENANTS}
+        out.append(
+            RequestEvent(
+                EventType.ARRIVED, req.rid, ts, prompt_tokens=prompt, max_tokens=max_tokens, tenant_facts=facts
+            )
+        )
         out.append(RequestEvent(EventType.QUEUED, req.rid, ts))
         waiting.append(req)
 

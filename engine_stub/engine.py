@@ -35,6 +35,7 @@ class EngineConfig:
     # torch's thread count is process-wide; tiny matrices run fastest on one or two threads.
     num_threads: Optional[int] = 1
     load_plugins: bool = True  # entry points in group "engine_stub.plugins"
+    scheduling_policy: str = "fcfs"  # or "priority" (Scheduler)
 
 
 class Engine:
@@ -44,7 +45,9 @@ class Engine:
             torch.set_num_threads(config.num_threads)
         self.model = TinyTransformer(config.model, seed=config.seed)
         self.kv_cache = KVCache(config.num_kv_blocks, config.block_size, config.model)
-        self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens, config.scheduling_policy
+        )
         self.hooks = HookBus()
         self._requests: dict[str, Request] = {}
         self._pending_events: list[RequestEvent] = []  # published with the next step's batch
@@ -76,9 +79,13 @@ class Engine:
         temperature: float = 0.0,
         seed: Optional[int] = None,
         stop_token_ids: Iterable[int] = (STOP_TOKEN_ID,),
+        priority: int = 0,
+        lora: Optional[str] = None,
     ) -> None:
         """Queue a request. ``temperature`` 0 is greedy; otherwise sampling is seeded per request
-        (``seed``, default derived from the engine seed and the id), independent of batching."""
+        (``seed``, default derived from the engine seed and the id), independent of batching.
+        ``priority`` orders it under the priority policy (lower first); ``lora`` names an adapter
+        (a label: the stub serves its one model). Both reach the telemetry as tenant facts."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         token_ids = encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -112,6 +119,8 @@ class Engine:
             stop_token_ids=frozenset(stop_token_ids),
             generator=generator,
             trace_context=trace_context,
+            priority=priority,
+            lora=lora,
         )
         self._requests[request_id] = request
         self.scheduler.add(request)
@@ -124,6 +133,7 @@ class Engine:
                     prompt_tokens=len(token_ids),
                     max_tokens=max_tokens,
                     trace_context=trace_context,
+                    tenant_facts={"priority": priority, "lora": lora},
                 )
             )
             self._pending_events.append(RequestEvent(EventType.QUEUED, request_id, now))

@@ -27,6 +27,8 @@ class Request:
     stop_token_ids: frozenset[int] = frozenset({STOP_TOKEN_ID})
     generator: Optional[torch.Generator] = None  # seeded per request: sampling ignores batching
     trace_context: Optional[Mapping[str, str]] = None
+    priority: int = 0  # lower is served first under the priority policy, as in vLLM
+    lora: Optional[str] = None  # the LoRA adapter it names (a label here: the stub has no adapters)
     status: RequestStatus = RequestStatus.WAITING
     # prompt followed by the output so far: what a recompute after preemption must prefill
     token_ids: list[int] = field(default_factory=list)

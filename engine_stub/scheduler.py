@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from .kv_cache import KVCache
 from .request import Request, RequestStatus
 
+POLICIES = ("fcfs", "priority")
+
 
 @dataclass
 class SchedulerOutput:
@@ -28,13 +30,20 @@ class Scheduler:
     goes to the front of the waiting queue), until the allocation fits or the request has
     preempted itself. The cause of each preemption is the request being allocated. No waiting
     request is admitted in a step that preempted.
+
+    ``policy`` "priority" (vLLM's ``--scheduling-policy priority``): waiting requests are admitted
+    by (priority, arrival), lower first, and the victim is the running request with the highest
+    (priority, arrival), even one already scheduled in this step (its scheduling is undone).
     """
 
-    def __init__(self, kv_cache: KVCache, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, kv_cache: KVCache, max_num_seqs: int, max_num_batched_tokens: int, policy: str = "fcfs") -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_seqs ({max_num_seqs}) and max_num_batched_tokens ({max_num_batched_tokens}) must be >= 1"
             )
+        if policy not in POLICIES:
+            raise ValueError(f"scheduling policy {policy!r} is not one of {POLICIES}")
+        self.policy = policy
         self.kv_cache = kv_cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -54,7 +63,13 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             target = request.num_computed_tokens + num_new
             while not self.kv_cache.allocate(request.block_table, target):
-                victim = self.running.pop()
+                position = self._victim_position()
+                victim = self.running.pop(position)
+                if position < index:  # scheduled earlier in this step: undone
+                    [entry] = [e for e in out.scheduled if e[0] is victim]
+                    out.scheduled.remove(entry)
+                    budget += entry[1]
+                    index -= 1
                 out.preempted.append((victim, self._preempt(victim, request), request))
                 if victim is request:
                     break
@@ -66,11 +81,11 @@ class Scheduler:
 
         if not out.preempted:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-                request = self.waiting[0]
+                request = self._head()
                 num_new = min(request.num_tokens - request.num_computed_tokens, budget)
                 if not self.kv_cache.allocate(request.block_table, num_new):
-                    break  # first come, first served: nobody overtakes the head
-                self.waiting.popleft()
+                    break  # in order: nobody overtakes the head
+                self.waiting.remove(request)
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
                 out.started.append(request)
@@ -79,6 +94,18 @@ class Scheduler:
 
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         return out
+
+    def _victim_position(self) -> int:
+        """Where in ``running`` the next victim is: the last one (fcfs), or the highest
+        (priority, arrival) (priority policy, vLLM's rule)."""
+        if self.policy == "fcfs":
+            return len(self.running) - 1
+        return max(range(len(self.running)), key=lambda i: (self.running[i].priority, self.running[i].arrival_time))
+
+    def _head(self) -> Request:
+        if self.policy == "fcfs":
+            return self.waiting[0]
+        return min(self.waiting, key=lambda r: (r.priority, r.arrival_time))
 
     def _preempt(self, request: Request, cause: Request) -> int:
         request.preempted_by.append(cause.request_id)

@@ -25,6 +25,10 @@ class WorkloadSpec:
     prompt_sigma: float = 0.8
     output_median: int = 48
     output_sigma: float = 1.0
+    # Tenants: each request draws one of ``num_tenants`` (0: none), as its priority (tenant k has
+    # priority k) and its LoRA adapter name (``tenant-k``). A draw of its own: the lengths and
+    # arrivals of a seed stay the same with or without tenants.
+    num_tenants: int = 0
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,8 @@ class WorkloadRequest:
     arrival_time: float  # simulated seconds from the start
     prompt: str
     max_tokens: int
+    priority: int = 0
+    lora: Optional[str] = None
 
 
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -43,13 +49,24 @@ def generate(spec: WorkloadSpec, max_sequence_tokens: int) -> list[WorkloadReque
     if max_sequence_tokens < 2:
         raise ValueError(f"max_sequence_tokens must be >= 2, got {max_sequence_tokens}")
     rng = random.Random(spec.seed)
+    tenant_rng = random.Random(f"tenants-{spec.seed}")
     clock = 0.0
     requests = []
     for i in range(spec.num_requests):
         clock += rng.expovariate(spec.rate)
         prompt_len = _lognormal(rng, spec.prompt_median, spec.prompt_sigma, max_sequence_tokens // 2)
         max_tokens = _lognormal(rng, spec.output_median, spec.output_sigma, max_sequence_tokens + 1 - prompt_len)
-        requests.append(WorkloadRequest(f"req-{i:05d}", clock, _text(rng, prompt_len), max_tokens))
+        tenant = tenant_rng.randrange(spec.num_tenants) if spec.num_tenants > 0 else None
+        requests.append(
+            WorkloadRequest(
+                f"req-{i:05d}",
+                clock,
+                _text(rng, prompt_len),
+                max_tokens,
+                priority=tenant or 0,
+                lora=None if tenant is None else f"tenant-{tenant}",
+            )
+        )
     return requests
 
 
@@ -125,6 +142,8 @@ def run_workload(
                 max_tokens=r.max_tokens,
                 trace_context=trace_context(r.request_id) if trace_context else None,
                 temperature=temperature,
+                priority=r.priority,
+                lora=r.lora,
             )
             next_index += 1
         outputs.extend(engine.step())

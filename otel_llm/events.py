@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Any, Mapping, Optional
 
 __all__ = [
     "EventType",
@@ -70,7 +70,10 @@ class RequestEvent:
     cause_kind: str = ""
     finish_reason: str = ""  # FINISHED: stop, length, abort, error
     num_cached_tokens: int = 0  # prefix-cache hits, where the engine knows them
-    trace_context: Optional[Mapping[str, str]] = None  # ARRIVED: W3C traceparent/tracestate carrier
+    trace_context: Optional[Mapping[str, str]] = None  # ARRIVED: W3C traceparent/tracestate/baggage carrier
+    # ARRIVED: what a tenant can be taken from (OTEL_LLM_TENANT), as the engine knows it: "priority",
+    # "lora" (adapter name), "model" (served model name), "header:<lower-case name>".
+    tenant_facts: Optional[Mapping[str, Any]] = None
     prompt_text: Optional[str] = None  # ARRIVED: recorded only when the config asks for content
     output_text: Optional[str] = None  # FINISHED: recorded only when the config asks for content
 

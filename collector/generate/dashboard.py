@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 from grafana_foundation_sdk.builders import common as cb
-from grafana_foundation_sdk.builders import dashboard, heatmap, prometheus, timeseries
+from grafana_foundation_sdk.builders import dashboard, heatmap, prometheus, table, timeseries
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models import common
 from grafana_foundation_sdk.models import dashboard as dm
@@ -59,6 +59,10 @@ class _Builder:
         p = self.p
         selected = [*matchers, f'{p.model}=~"$model_name"', f'{p.engine}=~"$engine"']
         return series + "{" + ", ".join(selected) + "}"
+
+    def tenant_sel(self, series: str, *matchers: str) -> str:
+        """``series`` for the selected models, engines and tenants."""
+        return self.sel(series, *matchers, f'{self.p.label("tenant")}=~"$tenant"')
 
     def rate(self, key: str, extra: str = "") -> str:
         by = f"{self.by}, {extra}" if extra else self.by
@@ -223,9 +227,15 @@ class _Builder:
             )
             .with_variable(self.variable("model_name", "model", p.model, ""))
             .with_variable(self.variable("engine", "engine", p.engine, f'{{{p.model}=~"$model_name"}}'))
+            .with_variable(
+                self.variable(
+                    "tenant", "tenant", p.label("tenant"), f'{{{p.model}=~"$model_name", {p.engine}=~"$engine"}}'
+                )
+            )
         )
         rows = (
             ("Preemptions per request", self._preemption_panels()),
+            ("Tenants (with OTEL_LLM_TENANT)", self._tenant_panels()),
             ("Scheduler", self._scheduler_panels()),
             ("Latency", self._latency_panels()),
             ("Throughput and telemetry health", self._throughput_panels()),
@@ -334,6 +344,125 @@ class _Builder:
                 stacked=True,
             ),
         ]
+
+    def _tenant_panels(self) -> list[Any]:
+        """Who suffers and who causes it, by tenant: series that exist only with a tenant source."""
+        p, who = self.p, self.who
+        tenant, cause = p.label("tenant"), p.label("cause_tenant")
+        matrix = self.tenant_sel(p.series("num_preemptions_by_tenant"))
+        by_tenant = f"{self.by}, {tenant}"
+
+        def quantile(key: str) -> str:
+            bucket = self.tenant_sel(p.bucket(key))
+            return f"histogram_quantile(0.9, sum by (le, {by_tenant}) (rate({bucket}[$__rate_interval])))"
+
+        tenant_legend = f"{{{{{tenant}}}}} {who}"
+
+        def rate(by: str) -> str:
+            return f"sum by ({by}) (rate({matrix}[$__rate_interval]))"
+
+        panels = [
+            self.timeseries(
+                "Preemptions per request by tenant: p90",
+                f"p90 of {p.base('request_num_preemptions')} per tenant (values at or below 0.5: not preempted). "
+                "Exemplar dots link to a victim's trace; its links lead to the evictors and their tenants.",
+                [Target(quantile("request_num_preemptions"), tenant_legend, True)],
+                unit="short",
+                min_zero=False,
+            ),
+            self.timeseries(
+                "Preemptions suffered and caused by tenant",
+                f"Preemptions per second of each tenant's requests (suffered), and those its requests' KV demand "
+                f"caused (caused, by {cause}; none: a cache reset or an unknown cause).",
+                [
+                    Target(rate(by_tenant), f"suffered {tenant_legend}"),
+                    Target(rate(f"{self.by}, {cause}"), f"caused {{{{{cause}}}}} {who}"),
+                ],
+                unit="ops",
+            ),
+            self.noisy_neighbours(matrix),
+            self.timeseries(
+                "Noisy neighbours: share of a tenant's preemptions caused by another",
+                "For each victim tenant, the share of its preemptions that each other tenant's requests caused "
+                "(alert LLMTenantCausesMostPreemptionsOfAnother above 0.5 for 10 minutes).",
+                [
+                    Target(
+                        f"{rate(f'{by_tenant}, {cause}')} / on({by_tenant}) group_left() ({rate(by_tenant)} > 0)",
+                        f"{{{{{cause}}}}} → {{{{{tenant}}}}} {who}",
+                    )
+                ],
+                unit="percentunit",
+                max_one=True,
+            ),
+        ]
+        for key, title in (
+            ("time_to_first_token_seconds", "Time to first token"),
+            ("e2e_request_latency_seconds", "End-to-end latency"),
+        ):
+            panels.append(
+                self.timeseries(
+                    f"{title} by tenant: p90",
+                    f"p90 of {p.base(key)} per tenant. Exemplars link to request traces.",
+                    [Target(quantile(key), tenant_legend, True)],
+                    unit="s",
+                    width=8,
+                )
+            )
+        panels.append(
+            self.timeseries(
+                "Tokens by tenant",
+                "Prompt and generated tokens per second by tenant, and the tokens of requests that were then "
+                f"aborted ({p.series('aborted_generation_tokens')}).",
+                [
+                    Target(
+                        f"sum by ({by_tenant}) (rate({self.tenant_sel(p.series(key))}[$__rate_interval]))",
+                        f"{name} {tenant_legend}",
+                    )
+                    for key, name in (
+                        ("prompt_tokens", "prompt"),
+                        ("generation_tokens", "generated"),
+                        ("aborted_generation_tokens", "aborted"),
+                    )
+                ],
+                unit="short",
+                width=8,
+            )
+        )
+        return panels
+
+    def noisy_neighbours(self, matrix: str) -> Any:
+        """The tenant matrix over the dashboard's time range as a table: a row per victim tenant, a
+        column per cause tenant."""
+        tenant, cause = self.p.label("tenant"), self.p.label("cause_tenant")
+        query = (
+            prometheus.Dataquery()
+            .datasource(self.prometheus)
+            .ref_id("A")
+            .expr(f"sum by ({tenant}, {cause}) (increase({matrix}[$__range]))")
+            .legend_format("")
+            .instant()
+            .format(pm.PromQueryFormat.TABLE)
+        )
+        grouping = dm.DataTransformerConfig(
+            id_val="groupingToMatrix",
+            options={"columnField": cause, "rowField": tenant, "valueField": "Value", "emptyValue": "zero"},
+        )
+        return (
+            table.Panel()
+            .title("Noisy neighbours: who hurt whom")
+            .description(
+                f"Preemptions over the time range: a row per victim tenant ({tenant}), a column per tenant whose "
+                f"requests' KV demand caused them ({cause}; none: a cache reset or an unknown cause). The diagonal "
+                "is a tenant preempting its own requests."
+            )
+            .datasource(self.prometheus)
+            .height(8)
+            .span(12)
+            .unit("short")
+            .decimals(0)
+            .with_target(query)
+            .with_transformation(grouping)
+        )
 
     def _scheduler_panels(self) -> list[Any]:
         """The panels of the row "Scheduler"."""

@@ -59,6 +59,15 @@ def rule_groups(p: Profile) -> list[tuple[str, list[Rule]]]:
     cause = p.extra_label("num_preemptions_by_cause")
     caused_bucket, caused_count = p.bucket("request_num_preemptions_caused"), p.count("request_num_preemptions_caused")
     threshold = f"{p.evictor_threshold:g}"
+    tenant, cause_tenant = p.label("tenant"), p.label("cause_tenant")
+    by_tenant = p.series("num_preemptions_by_tenant")
+    tenant_part = p.metric_part("num_preemptions_by_tenant")
+    tenant_rate = f"{level}_{tenant}_{cause_tenant}:{tenant_part}:rate5m"
+    tenant_share = f"{level}_{tenant}_{cause_tenant}:{tenant_part}:ratio_rate5m"
+    victim_rate = f"sum by ({by}, {tenant}) ({tenant_rate})"
+    # PromQL cannot compare two labels: the pairs where the cause is the victim's own tenant are
+    # taken out by matching them against each tenant copied into cause_tenant.
+    own_pairs = f'label_replace({victim_rate}, "{cause_tenant}", "$1", "{tenant}", "(.*)")'
     evictors = (
         f"sum by ({by}) (increase({caused_count}[10m]))\n  -\n"
         f"sum by ({by}) (increase({caused_bucket}{{le{p.evictor_le}}}[10m]))\n  > 0"
@@ -108,6 +117,19 @@ def rule_groups(p: Profile) -> list[tuple[str, list[Rule]]]:
             f"sum by ({by}, {cause}) (rate({p.series('num_preemptions_by_cause')}[5m]))",
             record=f"{level}_{cause}:{p.metric_part('num_preemptions_by_cause')}:rate5m",
         ),
+        Rule(
+            "The tenant matrix: preemptions per second by the victim's tenant and the tenant whose KV demand "
+            "caused them (none: a cache reset or an unknown cause). Only with a tenant source (OTEL_LLM_TENANT).",
+            f"sum by ({by}, {tenant}, {cause_tenant}) (rate({by_tenant}[5m]))",
+            record=tenant_rate,
+        ),
+        Rule(
+            "Share of each victim tenant's preemptions caused by each tenant (0..1; a row of the matrix sums "
+            "to 1). No sample while the victim tenant had no preemption in the window.",
+            f"sum by ({by}, {tenant}, {cause_tenant}) ({tenant_rate})\n  / on({by}, {tenant}) group_left()\n"
+            f"({victim_rate} > 0)",
+            record=tenant_share,
+        ),
     ]
     alerts = [
         Rule(
@@ -154,6 +176,26 @@ def rule_groups(p: Profile) -> list[tuple[str, list[Rule]]]:
                 "running requests each: one long request (a long prompt or output) can thrash many others. "
                 f"Follow an exemplar of {p.base('request_num_preemptions_caused')} in its top bucket to the "
                 "evictor's trace; its victims' spans link to it.",
+            },
+        ),
+        Rule(
+            "One tenant caused more than half of another tenant's preemptions, for 10 minutes, while that "
+            "tenant was preempted more than 0.05 times per second (a noisy neighbour). A tenant's own "
+            "preemptions and those of no request (none) do not count.",
+            f'(\n  {tenant_share}{{{cause_tenant}!="none"}} > 0.5\n  unless on({by}, {tenant}, {cause_tenant})\n  '
+            f"{own_pairs}\n)\nand on({by}, {tenant})\n  {victim_rate} > 0.05",
+            alert="LLMTenantCausesMostPreemptionsOfAnother",
+            for_="10m",
+            labels={"severity": "warning"},
+            annotations={
+                "summary": f"{model} on {engine}: tenant {{{{ $labels.{cause_tenant} }}}} caused "
+                f"{{{{ $value | humanizePercentage }}}} of tenant {{{{ $labels.{tenant} }}}}'s preemptions",
+                "description": f"On {model} ({engine}), the KV demand of tenant {{{{ $labels.{cause_tenant} }}}}'s "
+                f"requests caused most of the preemptions of tenant {{{{ $labels.{tenant} }}}}'s. If "
+                f"{{{{ $labels.{tenant} }}}} should be protected, check the priority policy and the classes; else "
+                f"cap {{{{ $labels.{cause_tenant} }}}}'s long requests or concurrency. The noisy-neighbours panel "
+                f"shows the matrix; an exemplar of {p.base('request_num_preemptions')} for tenant "
+                f"{{{{ $labels.{tenant} }}}} leads to a victim's trace, whose links lead to the evictors.",
             },
         ),
         Rule(
@@ -252,6 +294,8 @@ def translate(text: str, source: Profile, target: Profile) -> str:
         source.model: target.model,
         source.engine: target.engine,
         source.extra_label(cause): target.extra_label(cause),
+        source.label("tenant"): target.label("tenant"),
+        source.label("cause_tenant"): target.label("cause_tenant"),
     }
     text = text.replace(rules_file(source), rules_file(target)).replace(
         rule_tests_file(source), rule_tests_file(target)

@@ -27,7 +27,11 @@ class MetricDef:
     meaning: str
     buckets: Optional[Callable[[TelemetryConfig], tuple[float, ...]]] = None
     semconv_buckets: Optional[tuple[float, ...]] = None  # where the GenAI conventions advise others
-    label: Optional[str] = None  # extra label: "finished_reason", "reason", "cause" or "drop_reason" (label_key)
+    # extra label: "finished_reason", "reason", "cause", "cause_tenant" or "drop_reason" (label_key)
+    label: Optional[str] = None
+    # With a tenant source (OTEL_LLM_TENANT), labelled by the request's tenant too: summed over
+    # tenant, the series equals the one without a tenant source.
+    per_tenant: bool = False
     error_type: bool = False  # semconv: a failed request's observation carries error.type
     explicit_only: bool = False  # explicit buckets even when histograms go out exponential: they are the point
     # Where the recorders take the value from (routing, declared here rather than in each recorder):
@@ -80,6 +84,7 @@ METRICS: tuple[MetricDef, ...] = (
         buckets=lambda c: c.preemption_buckets,
         explicit_only=True,
         summary_field="num_preemptions",
+        per_tenant=True,
     ),
     MetricDef(
         "request_num_preemptions_caused",
@@ -92,6 +97,7 @@ METRICS: tuple[MetricDef, ...] = (
         buckets=lambda c: c.preemption_buckets,
         explicit_only=True,
         summary_field="num_preemptions_caused",
+        per_tenant=True,
     ),
     MetricDef(
         "num_preemptions",
@@ -121,6 +127,18 @@ METRICS: tuple[MetricDef, ...] = (
         label="cause",
     ),
     MetricDef(
+        "num_preemptions_by_tenant",
+        "counter",
+        "{preemption}",
+        "vllm:num_preemptions_by_tenant",
+        "llm.server.preemptions.by_tenant",
+        "Preemptions by the victim's tenant and the tenant of the request whose KV demand caused it "
+        "(cause_tenant: the victim's own when it preempted itself, none for a cache reset or an unknown "
+        "cause); only with a tenant source (OTEL_LLM_TENANT).",
+        label="cause_tenant",
+        per_tenant=True,
+    ),
+    MetricDef(
         "num_recomputed_tokens",
         "counter",
         "{token}",
@@ -135,6 +153,7 @@ METRICS: tuple[MetricDef, ...] = (
         "vllm:prompt_tokens",
         "llm.server.prompt_tokens",
         "Prefill tokens processed (counted at each request's first token).",
+        per_tenant=True,
     ),
     MetricDef(
         "generation_tokens",
@@ -143,6 +162,17 @@ METRICS: tuple[MetricDef, ...] = (
         "vllm:generation_tokens",
         "llm.server.generation_tokens",
         "Generation tokens produced.",
+        per_tenant=True,
+    ),
+    MetricDef(
+        "aborted_generation_tokens",
+        "counter",
+        "{token}",
+        "vllm:aborted_generation_tokens",
+        "llm.server.aborted.generation_tokens",
+        "Output tokens produced by requests that were then aborted (counted at their finish; the "
+        "aborted requests are request_success with finish reason abort).",
+        per_tenant=True,
     ),
     MetricDef(
         "request_success",
@@ -152,6 +182,7 @@ METRICS: tuple[MetricDef, ...] = (
         "llm.server.requests",
         "Finished requests by finish reason.",
         label="finished_reason",
+        per_tenant=True,
     ),
     MetricDef(
         "dropped_events",
@@ -201,6 +232,7 @@ METRICS: tuple[MetricDef, ...] = (
         semconv_buckets=buckets.GENAI_REQUEST_DURATION,
         error_type=True,
         summary_field="e2e",
+        per_tenant=True,
     ),
     MetricDef(
         "time_to_first_token_seconds",
@@ -211,6 +243,7 @@ METRICS: tuple[MetricDef, ...] = (
         "Arrival to first output token.",
         buckets=_const(buckets.TIME_TO_FIRST_TOKEN),
         semconv_buckets=buckets.GENAI_TIME_TO_FIRST_TOKEN,
+        per_tenant=True,
     ),
     MetricDef(
         "inter_token_latency_seconds",
@@ -220,6 +253,7 @@ METRICS: tuple[MetricDef, ...] = (
         "llm.server.inter_token_latency",
         "Between consecutive output steps of a request (one per step).",
         buckets=_const(buckets.INTER_TOKEN_LATENCY),
+        per_tenant=True,
     ),
     MetricDef(
         "request_time_per_output_token_seconds",
@@ -231,6 +265,7 @@ METRICS: tuple[MetricDef, ...] = (
         buckets=_const(buckets.INTER_TOKEN_LATENCY),
         semconv_buckets=buckets.GENAI_TIME_PER_OUTPUT_TOKEN,
         summary_field="time_per_output_token",
+        per_tenant=True,
     ),
     MetricDef(
         "request_queue_time_seconds",
@@ -241,6 +276,7 @@ METRICS: tuple[MetricDef, ...] = (
         "First QUEUED (or ARRIVED) to first SCHEDULED.",
         buckets=_latency,
         summary_field="queue_time",
+        per_tenant=True,
     ),
     MetricDef(
         "request_prefill_time_seconds",
@@ -326,6 +362,9 @@ METRICS: tuple[MetricDef, ...] = (
     ),
 )
 BY_KEY = {m.key: m for m in METRICS}
+PER_TENANT = frozenset(m.key for m in METRICS if m.per_tenant)
+# Counted only with a tenant source: no series at all without one.
+TENANT_ONLY = frozenset(("num_preemptions_by_tenant", "aborted_generation_tokens"))
 # Observed at each finished request: (metric key, RequestSummary field, field that must be non-zero).
 FINISH_OBSERVATIONS = tuple((m.key, m.summary_field, m.observed_if) for m in METRICS if m.summary_field)
 # Set or observed at each engine step: (metric key, StepStats field).
@@ -363,6 +402,8 @@ _LABEL_KEYS = {
         "reason": "reason",
         "cause": "cause",
         "drop_reason": "reason",
+        "tenant": "tenant",
+        "cause_tenant": "cause_tenant",
     },
     "semconv": {
         "model": "gen_ai.request.model",
@@ -371,6 +412,8 @@ _LABEL_KEYS = {
         "reason": "llm.preemption.reason",
         "cause": "llm.preemption.cause",
         "drop_reason": "reason",
+        "tenant": "llm.tenant",
+        "cause_tenant": "llm.cause.tenant",
     },
 }
 

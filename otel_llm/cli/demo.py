@@ -16,7 +16,6 @@ from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 from otel_llm.catalogue.metrics import BY_KEY
 from otel_llm.cli.render import (
     THRASHING,
-    PreemptionHistogram,
     Progress,
     print_chart,
     print_fields,
@@ -24,6 +23,7 @@ from otel_llm.cli.render import (
     print_worst_evictors,
     write_plot,
 )
+from otel_llm.cli.tenants_report import print_tenant_view, summed_histogram
 from otel_llm.config.settings import TelemetryConfig
 from otel_llm.export.setup import without_prometheus
 from otel_llm.stack.drilldown import Stack, drill_down, print_drilldown, telemetry_settings
@@ -136,7 +136,8 @@ def demo(args: argparse.Namespace, stack: Optional[Stack] = None) -> int:
             "prometheus_port": args.prometheus_port,
         }
     )
-    config = TelemetryConfig.from_env(defaults={"model_name": MODEL_NAME}, **exporters)
+    tenants = {"tenant": "priority"} if args.tenants else {}  # OTEL_LLM_TENANT may name another source
+    config = TelemetryConfig.from_env(defaults={"model_name": MODEL_NAME, **tenants}, **exporters)
     engine_config = EngineConfig(
         num_kv_blocks=args.kv_blocks,
         block_size=args.block_size,
@@ -144,6 +145,7 @@ def demo(args: argparse.Namespace, stack: Optional[Stack] = None) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         seed=args.seed,
         load_plugins=False,  # registered below with our readers; the entry point would add a second
+        scheduling_policy="priority" if args.tenants else "fcfs",
     )
     engine = Engine(engine_config)
     reader = InMemoryMetricReader()
@@ -167,7 +169,7 @@ def demo(args: argparse.Namespace, stack: Optional[Stack] = None) -> int:
     progress: Optional[Progress] = None
     with stop_on_sigterm() as stop:
         try:
-            spec = WorkloadSpec(num_requests=args.requests, rate=args.rate, seed=args.seed)
+            spec = WorkloadSpec(num_requests=args.requests, rate=args.rate, seed=args.seed, num_tenants=args.tenants)
             requests = generate(spec, engine_config.num_kv_blocks * engine_config.block_size)
             progress = None if args.no_progress else Progress(len(requests))
             started = time.time()
@@ -177,6 +179,8 @@ def demo(args: argparse.Namespace, stack: Optional[Stack] = None) -> int:
                 progress.close()
             handle.force_flush()
             print_summary(args, config, engine, result, reader, traces)
+            if args.tenants:
+                print_tenant_view(handle.config, requests, result.outputs, reader)
             if stack is None:
                 print(where_traces_are(), end="\n\n", flush=True)
             else:
@@ -224,7 +228,7 @@ def print_summary(
     traces: RequestTraces,
 ) -> None:
     histogram_name = BY_KEY["request_num_preemptions"].name(config.naming)
-    histogram = PreemptionHistogram.from_point(_histogram_point(reader, histogram_name))
+    histogram = summed_histogram(reader.get_metrics_data(), histogram_name)
     ground_truth = [o.num_preemptions for o in result.outputs]
     # The engine records who evicted whom at its preemption point: the telemetry must say the same.
     evicted: dict[str, Counter[str]] = defaultdict(Counter)

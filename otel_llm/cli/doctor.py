@@ -14,6 +14,7 @@ from importlib.metadata import PackageNotFoundError, entry_points, version
 from typing import Callable, Mapping, Optional, TextIO
 
 from otel_llm.config.settings import TelemetryConfig
+from otel_llm.config.tenants import SOURCES_BY_ENTRY_POINT
 from otel_llm.export.settings_check import check_settings
 from otel_llm.version import __version__
 
@@ -58,7 +59,8 @@ def _checked(check: Callable[[], Optional[str]]) -> Optional[str]:
 
 
 def vllm_parts(environ: Mapping[str, str]) -> list[Part]:
-    from otel_llm.integrations.vllm import deep_hook, engine_core, engine_tap, frontend, replace
+    from otel_llm.integrations.vllm.engine_core import engine_core, engine_tap
+    from otel_llm.integrations.vllm.frontend import deep_hook, frontend, replace
 
     deep = deep_hook.enabled(environ)
     mode = replace.mode(environ)
@@ -141,6 +143,19 @@ def _transformers_range(installed: str) -> str:
     )
 
 
+def tenant_reach(config: TelemetryConfig, entry_points: list[str]) -> tuple[str, list[str]]:
+    """The line on the tenant source, and the entry points here (``entry_points``) it does not
+    reach, which refuse it at start-up (otel_llm.config.tenants.SOURCES_BY_ENTRY_POINT)."""
+    source = config.tenant_source
+    if source is None:
+        return "tenant: none (OTEL_LLM_TENANT unset: no tenant label)", []
+    refused = [e for e in entry_points if source.kind not in SOURCES_BY_ENTRY_POINT[e]]
+    reach = ", ".join(e for e in entry_points if e not in refused) or "none of the entry points here"
+    why = "; ".join(f"{e} hands over {', '.join(SOURCES_BY_ENTRY_POINT[e]) or 'no tenant source yet'}" for e in refused)
+    line = f"tenant {source} (at most {config.tenant_max_values} values): reaches {reach}"
+    return line + (f"; refused by {why}" if refused else ""), refused
+
+
 def _otlp_targets(config: TelemetryConfig, environ: Mapping[str, str], signals: list[str]) -> dict[str, list[str]]:
     """Each OTLP destination ("protocol endpoint", "(default)" marked) and the signals sent there."""
     from otel_llm.export import otlp
@@ -205,6 +220,10 @@ def doctor(out: TextIO, environ: Optional[Mapping[str, str]] = None) -> int:
     )
     print(f"  request_num_preemptions buckets {', '.join(f'{b:g}' for b in config.preemption_buckets)}", file=out)
     print(f"  metrics exporters {', '.join(metrics)}; traces exporters {', '.join(traces)}", file=out)
+    # The entry points here: the serving engines installed, else engine_stub (the demo's engine).
+    engines = [name for name, v in (("vllm", vllm_version), ("transformers", transformers_version)) if v is not None]
+    tenant_line, tenant_refused = tenant_reach(config, engines or ["engine_stub"])
+    print(f"  {tenant_line}", file=out)
     if "prometheus" in metrics:
         from otel_llm.export.setup import DEFAULT_PROMETHEUS_HOST, DEFAULT_PROMETHEUS_PORT
 
@@ -225,6 +244,7 @@ def doctor(out: TextIO, environ: Optional[Mapping[str, str]] = None) -> int:
     failures = [p.name.strip() for p in parts if p.status == "FAIL"] + [
         f"OTLP endpoint of the {signal}" for signal in unreachable
     ]
+    failures += ["tenant source"] if tenant_refused else []
     print(
         f"\n{'not attached or not reachable: ' + ', '.join(failures) if failures else 'everything asked for attaches'}",
         file=out,

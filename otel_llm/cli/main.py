@@ -27,8 +27,10 @@ def _demo(args: argparse.Namespace) -> int:
         if getattr(args, name) is None:
             setattr(args, name, value)
     if args.engine == "transformers":
-        if args.stack:
-            print("otel-llm demo: --stack runs engine_stub only (not --engine transformers)", file=sys.stderr)
+        if args.stack or args.tenants:
+            print(
+                "otel-llm demo: --stack and --tenants run engine_stub only (not --engine transformers)", file=sys.stderr
+            )
             return 2
         from otel_llm.cli.demo_transformers import demo_transformers  # needs transformers
 
@@ -84,6 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--serve-seconds", type=float, default=0.0, help="keep /metrics up this long after the run")
     d.add_argument("--plot", metavar="FILE.png", help="also write the chart as a picture (needs matplotlib)")
     d.add_argument("--top", type=int, default=5, help="worst requests to list (default 5)")
+    d.add_argument(
+        "--tenants",
+        type=int,
+        default=0,
+        help="engine_stub: N tenants (priority classes 0..N-1, scheduled by priority; OTEL_LLM_TENANT=priority "
+        "unless set): print each tenant's histogram and who hurt whom",
+    )
     d.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     d.add_argument(
         "--stack",

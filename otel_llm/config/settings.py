@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
 
-from otel_llm.config import buckets
+from otel_llm.config import buckets, tenants
 
 NAMING_PROFILES = ("vllm", "semconv")
 METRICS_EXPORTERS = ("otlp", "prometheus", "console", "none")
@@ -52,6 +52,10 @@ class TelemetryConfig:
     max_label_values: int = 100  # distinct values per user-derived label (finish/preemption reasons)
     record_content: bool = False  # prompt/output text on spans: off unless asked for
     content_max_length: int = 1024  # characters kept when record_content is on
+    # Where a request's tenant comes from (config.tenants.parse_source: priority, lora, model,
+    # header:NAME, baggage:KEY); None: no tenant label on any series.
+    tenant: Optional[str] = None
+    tenant_max_values: int = tenants.DEFAULT_MAX_VALUES  # distinct tenants per process; the rest "other"
     # Event batches kept and applied together every N engine steps: the telemetry's code then
     # starts cold (after the model's work evicted the CPU caches) once per N steps, not every
     # step. A reader's collection, an idle step, flush() and shutdown() apply what is pending
@@ -137,9 +141,15 @@ class TelemetryConfig:
             "max_label_values",
             "content_max_length",
             "prometheus_ports",
+            "tenant_max_values",
         ):
             value = getattr(self, name)
             _check(_is_int(value) and value >= 1, name, value, "must be an integer >= 1")
+        if self.tenant is not None:
+            try:
+                object.__setattr__(self, "tenant", str(tenants.parse_source(self.tenant)))
+            except ValueError as exc:
+                raise ValueError(f"tenant: {self.tenant!r} {exc}") from None
         if self.defer_steps is not None:
             _check(
                 _is_int(self.defer_steps) and self.defer_steps >= 1,
@@ -211,6 +221,11 @@ class TelemetryConfig:
     def log_events(self) -> bool:
         """Preemptions go out as log records (``preemption_events`` "log" or "both")."""
         return self.preemption_events != "span_event"
+
+    @property
+    def tenant_source(self) -> Optional[tenants.TenantSource]:
+        """The parsed ``tenant`` setting; None: no tenant dimension."""
+        return None if self.tenant is None else tenants.parse_source(self.tenant)
 
     @property
     def exponential(self) -> bool:
@@ -348,6 +363,8 @@ _ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
     "OTEL_LLM_DEFER_STEPS": ("defer_steps", _int),
     "OTEL_LLM_PREEMPTION_EVENTS": ("preemption_events", str.lower),
     "OTEL_LLM_PROVIDER_NAME": ("provider_name", str),
+    "OTEL_LLM_TENANT": ("tenant", str),
+    "OTEL_LLM_TENANT_MAX_VALUES": ("tenant_max_values", _int),
     "OTEL_METRICS_EXPORTER": ("metrics_exporters", lambda t: tuple(t.split(","))),
     "OTEL_TRACES_EXPORTER": ("traces_exporters", lambda t: tuple(t.split(","))),
     "OTEL_LOGS_EXPORTER": ("logs_exporters", lambda t: tuple(t.split(","))),

@@ -14,9 +14,11 @@ from typing import Any, Iterable, Optional
 from opentelemetry.context import Context
 
 from otel_llm.catalogue import drops
+from otel_llm.config.tenants import NO_CAUSE
+from otel_llm.core.tenants import TenantResolver
 from otel_llm.core.tracker import RequestState
 from otel_llm.events import CAUSE_UNKNOWN, RequestEvent
-from otel_llm.recording.recorder import Recorder
+from otel_llm.recording.recorder import Recorder, RequestSeries
 from otel_llm.summary import RequestSummary
 from otel_llm.tracing.log_events import LogEvents
 from otel_llm.tracing.spans import RequestSpans, cut_short_attributes
@@ -27,6 +29,8 @@ EMPTY_CONTEXT = Context()  # records with no request span must not pick up an un
 # before their request finished (a cause an engine reports by summary); the oldest go beyond.
 MAX_LINK_TARGETS = 16_384
 LINK_ORDINAL = "llm.preemption.ordinal"  # a preemption link's attribute: the victim's preemption
+TENANT = "llm.tenant"  # a request span's attribute: its tenant (with a tenant source)
+LINK_CAUSE_TENANT = "llm.cause.tenant"  # a preemption link's attribute: the cause's tenant
 
 
 def so_far(req: RequestState) -> dict[str, Any]:
@@ -79,8 +83,10 @@ class RequestSink:
         log_events: Optional[LogEvents],
         span_events: bool,
         spanless_exemplar: Optional[tuple[None, None]],
+        tenants: Optional[TenantResolver] = None,
     ) -> None:
         self.metrics = metrics
+        self.tenants = tenants
         self.tokens = metrics.tokens  # TrackerSink.tokens: the recorder's own (one call per TOKENS event)
         self.spans = spans
         self.log_events = log_events
@@ -91,9 +97,17 @@ class RequestSink:
         # Link targets by request id: finished causes' span contexts; spans opened ahead (reserve).
         self._finished_causes: OrderedDict[str, Any] = OrderedDict()
         self._reserved: OrderedDict[str, tuple[Any, Any, Any]] = OrderedDict()
+        # Tenants of finished requests that caused preemptions (a victim can name one late).
+        self._finished_tenants: OrderedDict[str, str] = OrderedDict()
 
     def request_arrived(self, req: RequestState, event: RequestEvent) -> None:
         attributes = {}
+        req.series = self.metrics
+        if self.tenants is not None:
+            tenant = req.tenant = self.tenants.resolve(event.tenant_facts, event.trace_context)
+            series = req.series = self.metrics.for_tenant(tenant)
+            req.on_tokens = series.tokens
+            attributes[TENANT] = tenant
         if self.spans is not None:
             prompt = self.spans.content(event.prompt_text)
             if prompt is not None:
@@ -109,16 +123,20 @@ class RequestSink:
     ) -> None:
         self.metrics.preempted(event.reason, event.num_computed_tokens)
         ids = tuple(cause_id for cause_id, _ in causes)
-        targets = []
+        if req.tenant is not None:
+            # One count per preemption: of several causes (a set), the first one's tenant.
+            req.series.preempted_by_tenant(self._tenant_of(*causes[0]) if causes else NO_CAUSE)
+        targets: list[tuple[Any, Optional[str]]] = []
         if req.span is not None and self.spans is not None:
             for cause_id, cause in causes:
                 if cause_id == req.request_id:
                     continue  # its own cause: the event says so, no link to itself
+                tenant = self._tenant_of(cause_id, cause) if req.tenant is not None else None
                 if cause is not None:
                     if cause.span is not None:
-                        targets.append(self.spans.context(cause.span))
+                        targets.append((self.spans.context(cause.span), tenant))
                 else:
-                    targets.append(self._finished_target(cause_id, event))
+                    targets.append((self._finished_target(cause_id, event), tenant))
         self._preemption_event(
             req.request_id,
             req.span,
@@ -131,9 +149,16 @@ class RequestSink:
             targets,
         )
 
+    def _tenant_of(self, cause_id: str, cause: Optional[RequestState]) -> str:
+        """The tenant of a preemption's cause: in flight, finished, or never seen (none)."""
+        if cause is not None:
+            return cause.tenant if cause.tenant is not None else NO_CAUSE
+        return self._finished_tenants.get(cause_id, NO_CAUSE)
+
     def first_token(self, req: RequestState, ts: float) -> None:
-        self.metrics.ttft(ts - req.arrival, req.exemplar, req.ctx)
-        self.metrics.prompt_tokens(req.prompt_tokens)
+        series = req.series
+        series.ttft(ts - req.arrival, req.exemplar, req.ctx)
+        series.prompt_tokens(req.prompt_tokens)
         if req.span is not None:
             self.spans.event(req.span, "first_token", ts, {})  # type: ignore[union-attr]  # a req.span implies self.spans
 
@@ -176,11 +201,11 @@ class RequestSink:
         reason: str,
         kind: str,
         cause_ids: tuple[str, ...],
-        targets: Iterable[Any],
+        targets: Iterable[tuple[Any, Optional[str]]],
     ) -> None:
         """The one place a preemption becomes an event: span event and/or log record, per
         config, naming its cause; and a link from the span to each cause's span that is recorded
-        (a cause sampled out has no trace to go to)."""
+        (a cause sampled out has no trace to go to), with the cause's tenant when known."""
         if span is not None:
             spans = self.spans
             assert spans is not None  # a span implies spans
@@ -194,9 +219,14 @@ class RequestSink:
                 if cause_ids:
                     attributes["cause_request_ids"] = cause_ids
                 spans.event(span, "preempted", ts, attributes)
-            for target in targets:
+            for target, tenant in targets:
                 if target is not None and target.is_valid and target.trace_flags.sampled:
-                    spans.link(span, target, {LINK_ORDINAL: ordinal})
+                    link = (
+                        {LINK_ORDINAL: ordinal}
+                        if tenant is None
+                        else {LINK_ORDINAL: ordinal, LINK_CAUSE_TENANT: tenant}
+                    )
+                    spans.link(span, target, link)
         if self.log_events is not None:
             self.log_events.preempted(request_id, span, ordinal, ts, num_computed_tokens, reason, kind, cause_ids)
 
@@ -218,7 +248,9 @@ class RequestSink:
         return span, exemplar, ctx
 
     def finish(self, req: RequestState, summary: RequestSummary, extra: Optional[dict[str, Any]]) -> None:
-        self._finish(req.span, req.exemplar, req.ctx, summary, extra, True)
+        if req.tenant is not None and req.num_caused:
+            _bounded_put(self._finished_tenants, req.request_id, req.tenant)
+        self._finish(req.span, req.exemplar, req.ctx, summary, extra, req.series)
 
     def _finish(
         self,
@@ -227,10 +259,11 @@ class RequestSink:
         ctx: Any,
         summary: RequestSummary,
         extra: Optional[dict[str, Any]],
-        metrics: bool,
+        series: Optional[RequestSeries],
     ) -> None:
-        if metrics:
-            self.metrics.finished(summary, exemplar, ctx)
+        """``series``: where the request's observations go (None: the request is not counted)."""
+        if series is not None:
+            series.finished(summary, exemplar, ctx)
         if span is not None:
             spans = self.spans
             assert spans is not None  # a span implies spans
@@ -253,7 +286,7 @@ class RequestSink:
             opened = self._open_span(rid, summary.arrival_time, summary.max_tokens, carrier, {})
         span, exemplar, ctx = opened
         self._summary_events(rid, span, summary)
-        self._finish(span, exemplar, ctx, summary, None, metrics)
+        self._finish(span, exemplar, ctx, summary, None, self.metrics if metrics else None)
 
     def _summary_events(self, rid: str, span: Any, summary: RequestSummary) -> None:
         """The span events a request known by its summary had, in time order, as the events of a
@@ -275,7 +308,9 @@ class RequestSink:
                 _, tokens, reason = summary.preemptions[ordinal - 1]
                 cause = causes[ordinal - 1] if ordinal <= len(causes) else None
                 ids = cause.request_ids if cause is not None else ()
-                targets = [self._finished_target(c, summary) for c in ids if c != rid] if span is not None else []
+                targets = (
+                    [(self._finished_target(c, summary), None) for c in ids if c != rid] if span is not None else []
+                )
                 kind = cause.kind if cause is not None else CAUSE_UNKNOWN
                 self._preemption_event(rid, span, ordinal, ts, tokens, reason, kind, ids, targets)
 

@@ -28,6 +28,7 @@ from opentelemetry import metrics as metrics_api
 from otel_llm import _sdk
 from otel_llm.catalogue import drops
 from otel_llm.config.settings import TelemetryConfig
+from otel_llm.core import tenants
 from otel_llm.core import tracker as t
 from otel_llm.core.sink import EMPTY_CONTEXT, RequestSink, so_far
 from otel_llm.core.tracker import Tracker
@@ -104,6 +105,9 @@ class EngineTelemetry:
     ``config.preemption_events`` is "log" or "both" (None: the global LoggerProvider).
     ``metrics``, ``spans`` and ``tracker`` are the parts it is made of, for tests to look into;
     ``exemplar_filter`` is the filter in effect (always_on, always_off or trace_based).
+    ``tenant_sources``: the tenant sources (``otel_llm.config.tenants.KINDS``) the engine hands
+    over per request (``RequestEvent.tenant_facts``), named ``entry_point`` in the warning that
+    refuses another (None: any); ``config`` is then the config in effect, without the tenant.
     """
 
     def __init__(
@@ -115,10 +119,13 @@ class EngineTelemetry:
         logger_provider: Any = None,
         metric_path: str = "auto",
         span_path: str = "auto",
+        tenant_sources: Optional[Sequence[str]] = None,
+        entry_point: str = "this engine",
     ) -> None:
         if span_path not in SPAN_PATHS:
             raise ValueError(f"span_path: {span_path!r} is not one of {SPAN_PATHS}")
-        self.config = config = config or TelemetryConfig()
+        # A tenant source the engine cannot hand over is refused here, once, with a warning.
+        self.config = config = tenants.reachable(config or TelemetryConfig(), tenant_sources, entry_point)
         self.metrics: Recorder = _recorder(meter_provider or metrics_api.get_meter_provider(), config, metric_path)
         self.exemplar_filter = exemplar_filter = (
             config.exemplar_filter or os.environ.get("OTEL_METRICS_EXEMPLAR_FILTER", "") or "trace_based"
@@ -133,6 +140,7 @@ class EngineTelemetry:
             self.log_events,
             config.preemption_events != "log",
             (None, None) if exemplar_filter == "always_on" else None,
+            tenants.resolver(config),
         )
         self.tracker = Tracker(self._sink, config.max_inflight_requests)
         # Event batches (tuples), credits of causes, an adapter's kept engine steps, in the order they came.

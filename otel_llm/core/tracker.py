@@ -52,6 +52,9 @@ class RequestState:
         "cached_tokens",
         "num_caused",
         "by_cause",
+        "tenant",
+        "series",
+        "on_tokens",
         "span",
         "exemplar",
         "ctx",
@@ -76,6 +79,9 @@ class RequestState:
         self.cached_tokens = cached_tokens
         self.num_caused = 0  # preemptions its KV demand caused (itself included)
         self.by_cause: dict[str, int] = {}  # its own preemptions by cause kind
+        self.tenant: Optional[str] = None  # its tenant label value, when a tenant source is set
+        self.series: Any = None  # set by the sink: where its observations go (its tenant's series)
+        self.on_tokens: Any = None  # TrackerSink.tokens for this request (the tracker sets it, the sink may change it)
         self.span: Any = None  # set by the sink: the request span, exemplar ids, context
         self.exemplar: Any = None
         self.ctx: Any = None
@@ -119,7 +125,8 @@ class TrackerSink(Protocol):
         self, req: RequestState, event: RequestEvent, kind: str, causes: list[tuple[str, Optional[RequestState]]]
     ) -> None: ...
     def first_token(self, req: RequestState, ts: float) -> None: ...
-    # New output tokens of a request (its exemplar ids and context as set by the sink at arrival).
+    # New output tokens of a request (its exemplar ids and context as set by the sink at arrival);
+    # the default of RequestState.on_tokens, which the sink may set per request at arrival.
     def tokens(self, n: int, itl: Optional[float], exemplar: Any, ctx: Any) -> None: ...
     def request_finished(self, req: RequestState, summary: RequestSummary, event: RequestEvent) -> None: ...
     def request_evicted(self, req: RequestState) -> None: ...
@@ -166,7 +173,7 @@ class Tracker:
                 if last is not None and req.last_ts <= ts <= MAX_TIMESTAMP and type(n) is int and n >= 0:
                     req.last_ts = req.last_token = ts
                     req.generation_tokens += n
-                    self.sink.tokens(n, ts - last, req.exemplar, req.ctx)
+                    req.on_tokens(n, ts - last, req.exemplar, req.ctx)
                     return
         handler = self._handlers.get(kind)
         if handler is None:
@@ -223,6 +230,7 @@ class Tracker:
             self._remember_finished(oldest.request_id)
             self.sink.request_evicted(oldest)
         req = RequestState(rid, ts, event.prompt_tokens, event.max_tokens, event.num_cached_tokens)
+        req.on_tokens = self.sink.tokens
         self.inflight[rid] = req
         self.sink.request_arrived(req, event)
 
@@ -301,7 +309,7 @@ class Tracker:
         last = req.last_token
         req.last_token = ts
         req.generation_tokens += n
-        self.sink.tokens(n, ts - last if last is not None else None, req.exemplar, req.ctx)
+        req.on_tokens(n, ts - last if last is not None else None, req.exemplar, req.ctx)
 
     def _finished(self, event: RequestEvent, req: RequestState) -> None:
         reason = event.finish_reason

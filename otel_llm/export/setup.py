@@ -95,11 +95,13 @@ def setup_telemetry(
     environ: Optional[Mapping[str, str]] = None,
     port_taken: str = "raise",
     serve_on: Optional["PrometheusEndpoint"] = None,
+    tenant_sources: Sequence[str] = (),
+    entry_point: str = "this engine",
 ) -> TelemetryHandle:
     """Build providers, readers and exporters, and the engine's :class:`EngineTelemetry`.
 
     ``extra_views``: Views for instruments of your own on the same MeterProvider (the vLLM
-    plugin's :class:`~otel_llm.integrations.vllm.series.VllmSeries` passes its own).
+    plugin's :class:`~otel_llm.integrations.vllm.series.series.VllmSeries` passes its own).
 
     Settings left ``None`` in ``config`` come from the standard ``OTEL_*`` variables.
     Raises ValueError (bad settings) at once, and OSError when the Prometheus port is taken —
@@ -108,6 +110,11 @@ def setup_telemetry(
 
     ``serve_on``: a Prometheus endpoint another handle owns (providers of another resource in the
     same process): these metrics are served there, by a reader of their own, and no port is bound.
+
+    ``tenant_sources``: the tenant sources (``otel_llm.config.tenants.KINDS``) the engine hands over
+    per request (``RequestEvent.tenant_facts``); a tenant source (``OTEL_LLM_TENANT``) among none of
+    them is refused with one warning naming ``entry_point`` (an engine that hands over none: every
+    source refused).
     """
     if port_taken not in PORT_TAKEN:
         raise ValueError(f"port_taken: {port_taken!r} is not one of {PORT_TAKEN}")
@@ -141,7 +148,10 @@ def setup_telemetry(
         tracer_provider=tracer_provider,
         logger_provider=logger_provider,
         metric_path="in_process" if _sdk.in_process_metrics(config.exponential) else "sdk",
+        tenant_sources=tenant_sources,
+        entry_point=entry_point,
     )
+    config = telemetry.config  # without a tenant source that does not reach the engine
     accounting.telemetry = telemetry
     _log.info(
         "otel_llm telemetry: metrics=%s traces=%s logs=%s prometheus=%s settings=%s",

@@ -11,6 +11,7 @@ import logging
 from typing import Any, Optional
 
 from otel_llm.config.settings import TelemetryConfig
+from otel_llm.config.tenants import SOURCES_BY_ENTRY_POINT
 from otel_llm.export.handle import TelemetryHandle
 from otel_llm.export.settings_check import refused
 from otel_llm.export.setup import setup_telemetry
@@ -19,6 +20,7 @@ _log = logging.getLogger(__name__)
 
 MODEL_NAME = "engine_stub-tiny"  # the model_name label unless OTEL_LLM_MODEL_NAME says otherwise
 PROVIDER_NAME = "engine_stub"  # gen_ai.provider.name unless OTEL_LLM_PROVIDER_NAME says otherwise
+ENTRY_POINT = "engine_stub"  # its tenant sources: otel_llm.config.tenants.SOURCES_BY_ENTRY_POINT
 
 
 def register(engine: Any, config: Optional[TelemetryConfig] = None, **setup_kwargs: Any) -> TelemetryHandle:
@@ -39,7 +41,8 @@ def register(engine: Any, config: Optional[TelemetryConfig] = None, **setup_kwar
             return handle
         # The provider name tells engine_stub apart in a fleet of engines.
         config = TelemetryConfig.from_env(defaults={"model_name": MODEL_NAME, "provider_name": PROVIDER_NAME})
-    handle = setup_telemetry(config, **{"port_taken": "warn", **setup_kwargs})
+    sources = {"entry_point": ENTRY_POINT, "tenant_sources": SOURCES_BY_ENTRY_POINT[ENTRY_POINT]}
+    handle = setup_telemetry(config, **{"port_taken": "warn", **sources, **setup_kwargs})
     engine.hooks.subscribe(handle.telemetry)
     engine.telemetry_handle = handle
     return handle

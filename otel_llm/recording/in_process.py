@@ -19,9 +19,11 @@ from otel_llm.catalogue.metrics import (
     BY_KEY,
     FINISH_OBSERVATIONS,
     METRICS,
+    PER_TENANT,
     SCOPE,
     STEP_GAUGES,
     STEP_HISTOGRAMS,
+    TENANT_ONLY,
     base_attributes,
     error_attributes,
     label_key,
@@ -168,7 +170,101 @@ def _instruments_for(meter_provider: MeterProvider, config: TelemetryConfig) -> 
         return instruments
 
 
-class InProcessRecorder:
+# Counted per request (RequestSeries), under a tenant label when a tenant source is set.
+_REQUEST_COUNTERS = ("prompt_tokens", "generation_tokens", "aborted_generation_tokens")
+
+
+class _RequestObservations:
+    """A request's observations (:class:`~otel_llm.recording.recorder.RequestSeries`), into the
+    counts and cells of ``self``: the recorder's own, or one tenant's (:class:`InProcessTenantSeries`)."""
+
+    counts: dict[str, int]
+    by_finish: dict[str, int]
+    by_cause: dict[str, int]
+    h_ttft: HistogramCell
+    h_itl: HistogramCell
+    finish_cells: list[tuple[HistogramCell, str, Optional[str]]]
+    error_finish_cells: list[tuple[HistogramCell, str, Optional[str]]]
+    _limit_finish: LabelLimiter
+    _limit_cause: LabelLimiter
+
+    def prompt_tokens(self, n: int) -> None:
+        self.counts["prompt_tokens"] += n
+
+    def ttft(self, seconds: float, exemplar: Optional[ExemplarIds], ctx: Any) -> None:
+        self.h_ttft.observe(seconds, exemplar)
+
+    def tokens(self, n: int, itl: Optional[float], exemplar: Optional[ExemplarIds], ctx: Any) -> None:
+        self.counts["generation_tokens"] += n
+        if itl is not None:
+            self.h_itl.observe(itl, exemplar)
+
+    def finished(self, summary: RequestSummary, exemplar: Optional[ExemplarIds], ctx: Any) -> None:
+        finish_reason = summary.finish_reason
+        reason = self._limit_finish(finish_reason)
+        self.by_finish[reason] = self.by_finish.get(reason, 0) + 1
+        if finish_reason == "abort":
+            self.counts["aborted_generation_tokens"] += summary.generation_tokens
+        if summary.num_preemptions:
+            by_cause = self.by_cause
+            for kind, n in preemptions_by_cause(summary):
+                kind = self._limit_cause(kind)
+                by_cause[kind] = by_cause.get(kind, 0) + n
+        for cell, field, observed_if in self.error_finish_cells if finish_reason == "error" else self.finish_cells:
+            if observed_if is not None and not getattr(summary, observed_if):
+                continue
+            value = getattr(summary, field)
+            if value is not None:
+                cell.observe(value, exemplar)
+
+
+class InProcessTenantSeries(_RequestObservations):
+    """One tenant's request-scoped series: the recorder's cells and counts for the metrics
+    that are per tenant (``MetricDef.per_tenant``) under ``attributes`` (the recorder's and the
+    tenant label), its own for the others (shared with every tenant)."""
+
+    def __init__(self, recorder: "InProcessRecorder", tenant: str) -> None:
+        self.tenant = tenant
+        self.attributes = attributes = {**recorder.attributes, recorder.tenant_key: tenant}
+        self.counts = dict.fromkeys(_REQUEST_COUNTERS, 0)
+        self.by_finish = {}
+        self.by_cause = recorder.by_cause
+        self.by_cause_tenant: dict[str, int] = {}  # num_preemptions_by_tenant, by cause_tenant
+        self._limit_finish = recorder._limit_finish
+        self._limit_cause = recorder._limit_cause
+        self._finish_key = recorder._label_keys["request_success"]
+        self._cause_tenant_key = recorder._label_keys["num_preemptions_by_tenant"]
+        cell = recorder._cell
+        self.h_ttft = cell("time_to_first_token_seconds", attributes)
+        self.h_itl = cell("inter_token_latency_seconds", attributes)
+        self.finish_cells = [
+            (cell(key, attributes) if key in PER_TENANT else c, field, observed_if)
+            for (c, field, observed_if), (key, _, _) in zip(recorder.finish_cells, FINISH_OBSERVATIONS)
+        ]
+        errors = error_attributes(recorder.config)
+        self.error_finish_cells = (
+            [
+                (cell(key, {**errors, recorder.tenant_key: tenant}) if BY_KEY[key].error_type else c, field, oi)
+                for (c, field, oi), (key, _, _) in zip(self.finish_cells, FINISH_OBSERVATIONS)
+            ]
+            if errors
+            else self.finish_cells
+        )
+
+    def preempted_by_tenant(self, cause_tenant: str) -> None:
+        self.by_cause_tenant[cause_tenant] = self.by_cause_tenant.get(cause_tenant, 0) + 1
+
+    def counter_values(self, key: str) -> list[tuple[dict[str, str], int]]:
+        if key in self.counts:
+            return [(self.attributes, self.counts[key])]
+        if key == "request_success":
+            return [({**self.attributes, self._finish_key: v}, n) for v, n in list(self.by_finish.items())]
+        if key == "num_preemptions_by_tenant":
+            return [({**self.attributes, self._cause_tenant_key: v}, n) for v, n in list(self.by_cause_tenant.items())]
+        return []
+
+
+class InProcessRecorder(_RequestObservations):
     """Plain-Python accumulation on the hot path; the SDK reads it at collect time."""
 
     takes_gauge_source = True
@@ -186,6 +282,10 @@ class InProcessRecorder:
         self.counts: dict[str, int] = {m.key: 0 for m in METRICS if m.kind == "counter" and m.label is None}
         self.labelled: dict[str, dict[str, int]] = {m.key: {} for m in METRICS if m.kind == "counter" and m.label}
         self._label_keys = {key: label_key(config, BY_KEY[key].label or "") for key in self.labelled}
+        self.tenant_key = label_key(config, "tenant")
+        # With a tenant source: each tenant's series (bounded by the tenant resolver's cap).
+        self.tenants: dict[str, InProcessTenantSeries] = {}
+        self._per_tenant = config.tenant is not None
         self.by_reason = self.labelled["num_preemptions_by_reason"]
         self.by_finish = self.labelled["request_success"]
         self.by_cause = self.labelled["num_preemptions_by_cause"]
@@ -224,9 +324,26 @@ class InProcessRecorder:
     def counter_values(self, key: str) -> Iterable[tuple[dict[str, str], int]]:
         count = self.counts.get(key)
         if count is not None:
-            return [(self.attributes, count)]
-        label = self._label_keys[key]
-        return [({**self.attributes, label: v}, n) for v, n in list(self.labelled[key].items())]
+            own = [(self.attributes, count)]
+        else:
+            label = self._label_keys[key]
+            own = [({**self.attributes, label: v}, n) for v, n in list(self.labelled[key].items())]
+        if not self._per_tenant:
+            return [] if key in TENANT_ONLY else own
+        if key not in PER_TENANT:
+            return own
+        # With a tenant source, a request's counts are its tenant's: the recorder's own series
+        # appear only for what no request carried (an engine's per-step totals).
+        values = [(attrs, n) for attrs, n in own if n]
+        for series in list(self.tenants.values()):
+            values.extend(series.counter_values(key))
+        return values
+
+    def for_tenant(self, tenant: str) -> InProcessTenantSeries:
+        series = self.tenants.get(tenant)
+        if series is None:
+            series = self.tenants[tenant] = InProcessTenantSeries(self, tenant)
+        return series
 
     def gauge_value(self, key: str) -> Optional[float]:
         source = self._gauge_source
@@ -247,33 +364,6 @@ class InProcessRecorder:
         counts["num_recomputed_tokens"] += num_computed_tokens
         reason = self._limit_reason(reason)
         self.by_reason[reason] = self.by_reason.get(reason, 0) + 1
-
-    def prompt_tokens(self, n: int) -> None:
-        self.counts["prompt_tokens"] += n
-
-    def ttft(self, seconds: float, exemplar: Optional[ExemplarIds], ctx: Any) -> None:
-        self.h_ttft.observe(seconds, exemplar)
-
-    def tokens(self, n: int, itl: Optional[float], exemplar: Optional[ExemplarIds], ctx: Any) -> None:
-        self.counts["generation_tokens"] += n
-        if itl is not None:
-            self.h_itl.observe(itl, exemplar)
-
-    def finished(self, summary: RequestSummary, exemplar: Optional[ExemplarIds], ctx: Any) -> None:
-        finish_reason = summary.finish_reason
-        reason = self._limit_finish(finish_reason)
-        self.by_finish[reason] = self.by_finish.get(reason, 0) + 1
-        if summary.num_preemptions:
-            by_cause = self.by_cause
-            for kind, n in preemptions_by_cause(summary):
-                kind = self._limit_cause(kind)
-                by_cause[kind] = by_cause.get(kind, 0) + n
-        for cell, field, observed_if in self.error_finish_cells if finish_reason == "error" else self.finish_cells:
-            if observed_if is not None and not getattr(summary, observed_if):
-                continue
-            value = getattr(summary, field)
-            if value is not None:
-                cell.observe(value, exemplar)
 
     def step(self, stats: StepStats) -> None:
         gauges = self.gauges

@@ -34,6 +34,22 @@ class PendingWork(Protocol):
     def apply_pending(self) -> None: ...
 
 
+class RequestSeries(Protocol):
+    """Where one request's observations go: the recorder itself, or, with a tenant source, its
+    tenant's series (:meth:`Recorder.for_tenant`)."""
+
+    def prompt_tokens(self, n: int) -> None: ...
+    def ttft(self, seconds: float, exemplar: Optional[ExemplarIds], ctx: Any) -> None: ...
+    def tokens(self, n: int, itl: Optional[float], exemplar: Optional[ExemplarIds], ctx: Any) -> None: ...
+    def finished(self, summary: RequestSummary, exemplar: Optional[ExemplarIds], ctx: Any) -> None: ...
+
+
+class TenantRequestSeries(RequestSeries, Protocol):
+    def preempted_by_tenant(self, cause_tenant: str) -> None:
+        """One preemption of a request of this tenant, caused by a request of ``cause_tenant``."""
+        ...
+
+
 class Recorder(Protocol):
     """What the telemetry observes. Exemplar ids come with the request-scoped observations.
 
@@ -56,6 +72,10 @@ class Recorder(Protocol):
 
     def finished(self, summary: RequestSummary, exemplar: Optional[ExemplarIds], ctx: Any) -> None:
         """One finished request: ``request_success`` and every per-request histogram."""
+        ...
+
+    def for_tenant(self, tenant: str) -> "TenantRequestSeries":
+        """The series of requests of ``tenant`` (the config's tenant source is set)."""
         ...
 
     def step(self, stats: StepStats) -> None: ...

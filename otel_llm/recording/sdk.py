@@ -13,6 +13,7 @@ from otel_llm.catalogue.drops import DROP_REASONS
 from otel_llm.catalogue.metrics import (
     BY_KEY,
     METRICS,
+    PER_TENANT,
     SCOPE,
     STEP_GAUGES,
     STEP_HISTOGRAMS,
@@ -58,6 +59,8 @@ class SdkRecorder:
         self._cause_key = label_key(config, "cause")
         self._finish_key = label_key(config, "finished_reason")
         self._drop_key = label_key(config, "drop_reason")
+        self._tenant_key = label_key(config, "tenant")
+        self._cause_tenant_key = label_key(config, "cause_tenant")
         self._limit_reason = LabelLimiter(config.max_label_values)
         self._limit_finish = LabelLimiter(config.max_label_values)
         self._limit_cause = LabelLimiter(config.max_label_values)
@@ -95,13 +98,30 @@ class SdkRecorder:
             self.i["inter_token_latency_seconds"].record(itl, self.attributes, context=ctx)
 
     def finished(self, summary: RequestSummary, exemplar: Optional[ExemplarIds], ctx: Any) -> None:
+        self.finished_as(summary, ctx, self.attributes, self._error_attributes)
+
+    def finished_as(
+        self, summary: RequestSummary, ctx: Any, own: dict[str, str], own_errors: Optional[dict[str, str]]
+    ) -> None:
+        """A finished request's observations, the per-tenant metrics' under ``own`` (and
+        ``own_errors`` for a failed request's): the recorder's attributes or a tenant's."""
         i, attrs = self.i, self.attributes
-        i["request_success"].add(1, {**attrs, self._finish_key: self._limit_finish(summary.finish_reason)})
-        errors = self._error_attributes if summary.finish_reason == "error" else None
+        i["request_success"].add(1, {**own, self._finish_key: self._limit_finish(summary.finish_reason)})
+        if summary.finish_reason == "abort" and self.config.tenant is not None:
+            i["aborted_generation_tokens"].add(summary.generation_tokens, own)
+        errors = own_errors if summary.finish_reason == "error" else None
         for key, value in finish_values(summary):
-            i[key].record(value, errors if errors and BY_KEY[key].error_type else attrs, context=ctx)
+            mine = key in PER_TENANT
+            i[key].record(
+                value,
+                errors if errors and BY_KEY[key].error_type else own if mine else attrs,
+                context=ctx,
+            )
         for kind, n in preemptions_by_cause(summary):
             i["num_preemptions_by_cause"].add(n, {**attrs, self._cause_key: self._limit_cause(kind)})
+
+    def for_tenant(self, tenant: str) -> "SdkTenantSeries":
+        return SdkTenantSeries(self, tenant)
 
     def step(self, stats: StepStats) -> None:
         i, attrs = self.i, self.attributes
@@ -130,3 +150,34 @@ class SdkRecorder:
 
     def set_gauge_source(self, source: GaugeSource) -> None:
         raise NotImplementedError("the SDK recorder's gauges are set at each step (takes_gauge_source is False)")
+
+
+class SdkTenantSeries:
+    """One tenant's request-scoped observations on the SDK path: the per-tenant metrics
+    (``MetricDef.per_tenant``) with the tenant label, the others as the recorder's."""
+
+    def __init__(self, recorder: SdkRecorder, tenant: str) -> None:
+        self.recorder = recorder
+        self.attributes = {**recorder.attributes, recorder._tenant_key: tenant}
+        errors = recorder._error_attributes
+        self._error_attributes = {**errors, recorder._tenant_key: tenant} if errors else None
+
+    def prompt_tokens(self, n: int) -> None:
+        self.recorder.i["prompt_tokens"].add(n, self.attributes)
+
+    def ttft(self, seconds: float, exemplar: Optional[ExemplarIds], ctx: Any) -> None:
+        self.recorder.i["time_to_first_token_seconds"].record(seconds, self.attributes, context=ctx)
+
+    def tokens(self, n: int, itl: Optional[float], exemplar: Optional[ExemplarIds], ctx: Any) -> None:
+        i = self.recorder.i
+        i["generation_tokens"].add(n, self.attributes)
+        if itl is not None:
+            i["inter_token_latency_seconds"].record(itl, self.attributes, context=ctx)
+
+    def finished(self, summary: RequestSummary, exemplar: Optional[ExemplarIds], ctx: Any) -> None:
+        self.recorder.finished_as(summary, ctx, self.attributes, self._error_attributes)
+
+    def preempted_by_tenant(self, cause_tenant: str) -> None:
+        self.recorder.i["num_preemptions_by_tenant"].add(
+            1, {**self.attributes, self.recorder._cause_tenant_key: cause_tenant}
+        )

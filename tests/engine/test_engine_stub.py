@@ -147,14 +147,15 @@ def test_engine_greedy_equals_dense_reference_with_chunking_and_preemption() -> 
 # ---------------------------------------------------------------- scheduler and KV cache
 
 
-def test_scheduler_invariants_hold_every_step() -> None:
-    engine = tight_engine()
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_scheduler_invariants_hold_every_step(policy: str) -> None:
+    engine = make_engine(num_kv_blocks=40, max_num_seqs=24, max_num_batched_tokens=128, scheduling_policy=policy)
     recorder = Recorder()
     engine.hooks.subscribe(recorder)
     capacity = engine.config.num_kv_blocks * engine.config.block_size
-    pending = generate(WorkloadSpec(num_requests=60, seed=3), capacity)
+    pending = generate(WorkloadSpec(num_requests=60, seed=3, num_tenants=3), capacity)
     for w in pending:
-        engine.add_request(w.request_id, w.prompt, max_tokens=w.max_tokens, temperature=1.0)
+        engine.add_request(w.request_id, w.prompt, max_tokens=w.max_tokens, temperature=1.0, priority=w.priority)
     kv, sched = engine.kv_cache, engine.scheduler
     finished = 0
     while engine.has_unfinished_requests():
@@ -208,6 +209,38 @@ def test_self_preemption_exact_trace() -> None:
     alone = make_engine(num_kv_blocks=64)
     alone.add_request("b", [3, 4, 5, 6, 7, 8], max_tokens=8, stop_token_ids=())
     assert alone.run()[0].token_ids == outputs["b"].token_ids  # recompute changes nothing
+
+
+def test_priority_policy_preempts_the_lowest_class_even_when_already_scheduled() -> None:
+    # 4 blocks of 4 slots; "a" (lower class) runs first, "b" joins at step 2. Step 4: "a" takes the
+    # last free block (position 4). Step 5: "a" is scheduled first (position 5), then "b" needs a
+    # block for position 8: the victim is "a", the lowest class, though already scheduled in that
+    # step (undone: its 5 computed tokens lost); "b" is never preempted.
+    engine = make_engine(num_kv_blocks=4, block_size=4, max_num_batched_tokens=64, scheduling_policy="priority")
+    recorder = Recorder()
+    engine.hooks.subscribe(recorder)
+    engine.add_request("a", [1, 2], max_tokens=8, stop_token_ids=(), priority=1)
+    engine.step()
+    engine.add_request("b", [3, 4, 5, 6, 7, 8], max_tokens=8, stop_token_ids=(), priority=0)
+    outputs = {o.request_id: o for o in engine.run()}
+    assert (outputs["a"].preempted_by, outputs["b"].preempted_by) == (("b",), ())
+    assert outputs["b"].num_preemptions_caused == 1
+    a = [(e.type.name, e.num_computed_tokens) for e in recorder.by_request()["a"]][:10]
+    assert a == [("ARRIVED", 0), ("QUEUED", 0), ("SCHEDULED", 0), ("FIRST_TOKEN", 0)] + [("TOKENS", 0)] * 4 + [
+        ("PREEMPTED", 5),
+        ("SCHEDULED", 0),
+    ]
+    [preempt_step] = [i for i, batch in enumerate(recorder.batches) for e in batch if e.type is EventType.PREEMPTED]
+    assert preempt_step == 4
+    for rid, prompt in (("a", [1, 2]), ("b", [3, 4, 5, 6, 7, 8])):
+        alone = make_engine(num_kv_blocks=64)
+        alone.add_request(rid, prompt, max_tokens=8, stop_token_ids=())
+        assert alone.run()[0].token_ids == outputs[rid].token_ids, rid  # the undone step changes nothing
+
+
+def test_an_unknown_scheduling_policy_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"scheduling policy 'lifo' is not one of \('fcfs', 'priority'\)"):
+        make_engine(scheduling_policy="lifo")
 
 
 def test_outputs_independent_of_batching_and_preemption() -> None:

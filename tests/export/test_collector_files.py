@@ -199,7 +199,8 @@ def test_all_expressions_lists_every_target_variable_and_rule(profile):
     assert len({where for where, _ in exprs}) == len(exprs), "where must name each expression uniquely"
     model, engine = LABELS[profile]
     for where, expr in exprs:
-        assert "$" not in expr, f"{where}: unsubstituted variable in {expr}"
+        # $1 and the like: label_replace's replacement, not a Grafana variable.
+        assert not re.search(r"\$(?!\d)", expr), f"{where}: unsubstituted variable in {expr}"
         if where.startswith("dashboard panel"):
             assert f'{model}=~"tiny"' in expr and f'{engine}=~"engine_stub"' in expr, where
 
@@ -390,7 +391,7 @@ def test_dashboard_queries_use_the_variables_everywhere(profile):
     dash = json.loads(DASHBOARD[profile].read_text())
     model, engine = LABELS[profile]
     names = [v["name"] for v in dash["templating"]["list"]]
-    assert names == ["model_name", "engine"]
+    assert names == ["model_name", "engine", "tenant"]
     for var in dash["templating"]["list"]:
         assert var["type"] == "query" and var["query"]["query"].startswith("label_values(")
     targets = [(p, t) for p in _all_panels(dash) for t in p.get("targets", [])]
@@ -416,7 +417,7 @@ def test_dashboard_histogram_panels_show_exemplars_linked_to_tempo(profile):
         for p in _all_panels(dash)
         if any("histogram_quantile" in t["expr"] or t.get("format") == "heatmap" for t in p.get("targets", []))
     ]
-    assert len(histogram_panels) == 10
+    assert len(histogram_panels) == 13
     for panel in histogram_panels:
         for target in panel["targets"]:
             assert target.get("exemplar") is True, f"panel {panel['title']!r} target {target['refId']}"
@@ -473,8 +474,24 @@ def test_dashboard_has_the_required_panels():
         "vllm:time_to_first_token_seconds_bucket",
         "vllm:inter_token_latency_seconds_bucket",
         "vllm:e2e_request_latency_seconds_bucket",
+        'vllm:request_num_preemptions_bucket{tenant=~"$tenant"',
+        "sum by (tenant, cause_tenant) (increase(vllm:num_preemptions_by_tenant_total{",
+        'vllm:time_to_first_token_seconds_bucket{tenant=~"$tenant"',
     ):
         assert needle in exprs, needle
+    (matrix,) = [p for p in panels if p["title"] == "Noisy neighbours: who hurt whom"]
+    assert matrix["type"] == "table" and matrix["targets"][0]["instant"] is True
+    assert matrix["transformations"] == [
+        {
+            "id": "groupingToMatrix",
+            "options": {
+                "columnField": "cause_tenant",
+                "rowField": "tenant",
+                "valueField": "Value",
+                "emptyValue": "zero",
+            },
+        }
+    ]
     ids = [p["id"] for p in panels]
     assert len(ids) == len(set(ids))
     for p in panels:

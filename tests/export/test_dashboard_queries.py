@@ -21,7 +21,14 @@ from engine_stub import Engine, RequestOutput
 from otel_llm.config.buckets import REQUEST_NUM_PREEMPTIONS
 from otel_llm.events import CAUSE_REQUEST, CAUSE_SELF, EventType, RequestEvent
 from tests.support.backends import backend, free_port, start_prometheus
-from tests.support.promql import RULES, all_expressions, needs_history, query, referenced_series
+from tests.support.promql import (
+    RULES,
+    all_expressions,
+    needs_a_noisy_neighbour,
+    needs_history,
+    query,
+    referenced_series,
+)
 from tests.support.workloads import NUM_REQUESTS, add_requests, preempting_engine_config
 
 pytestmark = pytest.mark.backend
@@ -55,9 +62,10 @@ def test_every_dashboard_and_rule_expression_returns_data(profile, prometheus, p
         metrics_exporters=("prometheus",),
         traces_exporters=("none",),
         prometheus_port=port,
+        tenant="priority",  # the tenant panels and rules have data; the others sum over tenants
     )
     drops = f'{p.series("dropped_events")}{{reason="unknown_request"}}'
-    handle = otel_llm.setup_telemetry(config)
+    handle = otel_llm.setup_telemetry(config, tenant_sources=("priority",), entry_point="engine_stub")
     try:
         # Scraped at 0 before anything is dropped: increase() needs the series to exist first.
         prometheus.wait_for(drops, bool, timeout=20)
@@ -82,7 +90,9 @@ def test_every_dashboard_and_rule_expression_returns_data(profile, prometheus, p
         assert sum(o.num_preemptions >= 5 for o in outputs) / len(outputs) > 0.05  # the thrashing alert fires
         handle.telemetry.on_events([RequestEvent(EventType.TOKENS, "ghost", 1.0, num_tokens=1)])  # one drop
         prometheus.wait_for(
-            p.count("request_num_preemptions"), lambda r: r and float(r[0]["value"][1]) == NUM_REQUESTS, timeout=20
+            f"sum({p.count('request_num_preemptions')})",
+            lambda r: r and float(r[0]["value"][1]) == NUM_REQUESTS,
+            timeout=20,
         )
         prometheus.wait_for(drops, lambda r: r and r[0]["value"][1] == "1", timeout=20)
         thrashing_rule = f"{p.level}:{p.metric_part('request_num_preemptions')}:thrashing_ratio_rate5m"
@@ -94,7 +104,7 @@ def test_every_dashboard_and_rule_expression_returns_data(profile, prometheus, p
         for where, expr in expressions:
             answer = query(prometheus, expr)
             assert answer["status"] == "success", (where, answer)
-            if not answer["data"]["result"] and not needs_history(where):
+            if not answer["data"]["result"] and not (needs_history(where) or needs_a_noisy_neighbour(where)):
                 empty.append(where)
             if referenced_series(expr) - exported:
                 unknown[where] = referenced_series(expr) - exported
@@ -112,8 +122,22 @@ def test_every_dashboard_and_rule_expression_returns_data(profile, prometheus, p
         # the alert and the panel's line read, the preemptions by cause kind (labels bounded to the
         # kinds that happened), and the alert firing on them.
         check_evictors(prometheus, p, outputs)
+        check_tenants(prometheus, p, outputs)
     finally:
         handle.shutdown()
+
+
+def check_tenants(prometheus, p: Profile, outputs: list[RequestOutput]) -> None:
+    """The tenant matrix as scraped, and the noisy-neighbours table's query, against the engine's
+    record and the requests' priorities (add_requests: request i has priority i % 3)."""
+    tenant, cause = p.label("tenant"), p.label("cause_tenant")
+    tenant_of = {o.request_id: str(int(o.request_id[4:]) % 3) for o in outputs}
+    truth = Counter((tenant_of[o.request_id], tenant_of[c]) for o in outputs for c in o.preempted_by)
+    assert len({v for v, _ in truth}) == 3 and any(v != c for v, c in truth)
+    scraped = query(prometheus, f"sum by ({tenant}, {cause}) ({p.series('num_preemptions_by_tenant')})")
+    assert {(r["metric"][tenant], r["metric"][cause]): float(r["value"][1]) for r in scraped["data"]["result"]} == truth
+    per_tenant = query(prometheus, f"sum by ({tenant}) ({p.count('request_num_preemptions')})")["data"]["result"]
+    assert {r["metric"][tenant]: float(r["value"][1]) for r in per_tenant} == Counter(tenant_of.values())
 
 
 def check_evictors(prometheus, p: Profile, outputs: list[RequestOutput]) -> None:

@@ -77,6 +77,24 @@ def test_a_dead_endpoint_of_the_traces_alone_exits_1_naming_them() -> None:
     assert done.stdout.rstrip().endswith("not attached or not reachable: OTLP endpoint of the traces")
 
 
+def test_the_tenant_source_and_where_it_reaches() -> None:
+    local = {"OTEL_METRICS_EXPORTER": "none", "OTEL_TRACES_EXPORTER": "none"}  # no endpoint to try
+    status, text = run({**local, "OTEL_LLM_TENANT": "priority", "OTEL_LLM_TENANT_MAX_VALUES": "8"})
+    assert status == 0, text
+    assert "  tenant priority (at most 8 values): reaches engine_stub\n" in text
+    status, text = run({**local, "OTEL_LLM_TENANT": "header:X-Team"})
+    assert status == 1, text
+    assert (
+        "  tenant header:x-team (at most 20 values): reaches none of the entry points here; refused by "
+        "engine_stub hands over priority, lora, model, baggage\n"
+    ) in text
+    assert text.rstrip().endswith("not attached or not reachable: tenant source")
+    status, text = run({**local})
+    assert "  tenant: none (OTEL_LLM_TENANT unset: no tenant label)\n" in text
+    status, text = run({**local, "OTEL_LLM_TENANT": "cookie:x"})
+    assert status == 2 and "OTEL_LLM_TENANT='cookie:x'" in text, text
+
+
 def test_python_dash_m_otel_llm_doctor() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "otel_llm", "doctor"],

@@ -36,7 +36,9 @@ def render_metric_table() -> str:
             if m.boundaries(semconv) != m.boundaries(vllm):
                 buckets += f"; {_bounds(m.boundaries(semconv))}"
         unit = f"`{m.unit}`" if m.unit else ""
-        label = label_key(vllm, m.label) if m.label else ""
+        # (tenant): only with a tenant source (OTEL_LLM_TENANT).
+        labels = ([label_key(vllm, m.label)] if m.label else []) + (["(tenant)"] if m.per_tenant else [])
+        label = ", ".join(labels)
         rows.append(f"| `{m.vllm}` | `{m.semconv}` | {m.kind} | {unit} | {label} | {buckets} | {m.meaning} |")
     return "\n".join(rows)
 

@@ -1,5 +1,5 @@
 """The channel that carries preemption causes from vLLM's engine cores to its API servers
-(otel_llm.integrations.vllm.cause_channel), on real Unix sockets: every record arrives in order,
+(otel_llm.integrations.vllm.channels.cause_channel), on real Unix sockets: every record arrives in order,
 nothing blocks the engine core whatever the API server does, what is lost is counted, and an
 engine core that dies mid-line or writes garbage breaks nothing."""
 
@@ -12,8 +12,8 @@ from typing import Iterator
 
 import pytest
 
-from otel_llm.integrations.vllm import cause_channel
-from otel_llm.integrations.vllm.cause_channel import CauseRecord, Receiver, Sender
+from otel_llm.integrations.vllm.channels import cause_channel
+from otel_llm.integrations.vllm.channels.cause_channel import CauseRecord, Receiver, Sender
 
 
 @pytest.fixture
@@ -87,7 +87,7 @@ def test_a_receiver_that_went_away_is_dropped_without_an_exception(folder: str) 
     receiver.close()
     for i in range(1, 100):
         sender.send(_record(i))  # no exception into the scheduler
-    assert sender._peers == {}
+    assert sender._writers == {}
 
 
 def test_a_receiver_started_later_is_found_at_a_later_preemption(folder: str, monkeypatch: pytest.MonkeyPatch) -> None:

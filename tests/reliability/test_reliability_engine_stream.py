@@ -13,8 +13,8 @@ from typing import Iterator
 
 import pytest
 
-from otel_llm.integrations.vllm import stream_channel
-from otel_llm.integrations.vllm.stream_channel import LOST, OUTPUTS, Connection, Sender
+from otel_llm.integrations.vllm.channels import stream_channel
+from otel_llm.integrations.vllm.channels.stream_channel import LOST, OUTPUTS, Connection, Sender
 
 
 @pytest.fixture

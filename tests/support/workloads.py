@@ -18,8 +18,11 @@ def preempting_engine_config() -> Any:
 
 
 def add_requests(engine: Any, n: int = NUM_REQUESTS) -> None:
+    # Priorities 0..2 are tenants (OTEL_LLM_TENANT=priority); the FCFS policy does not look at them.
     for i in range(n):
-        engine.add_request(f"req-{i:03d}", "hello world " * (1 + i % 3), max_tokens=min(150, 20 + (i * 37) % 150))
+        engine.add_request(
+            f"req-{i:03d}", "hello world " * (1 + i % 3), max_tokens=min(150, 20 + (i * 37) % 150), priority=i % 3
+        )
 
 
 def engine_run(telemetry: Any, n: int = 24) -> dict[str, int]:

@@ -77,8 +77,8 @@ def otel(monkeypatch: pytest.MonkeyPatch, vllm_config):
 
     import otel_llm
     from otel_llm.integrations import vllm as plugin
-    from otel_llm.integrations.vllm import deep_hook as vllm_deep_hook
-    from otel_llm.integrations.vllm.series import VllmSeries
+    from otel_llm.integrations.vllm.frontend import deep_hook as vllm_deep_hook
+    from otel_llm.integrations.vllm.series.series import VllmSeries
 
     class Otel:
         def __init__(self, **config_overrides):

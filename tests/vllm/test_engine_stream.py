@@ -14,9 +14,10 @@ import pytest
 from samples import otel_samples
 
 from otel_llm.events import CAUSE_REQUEST, CAUSE_SELF
-from otel_llm.integrations.vllm import cause_channel, engine_tap, stream_channel
-from otel_llm.integrations.vllm.cause_channel import CauseRecord
-from otel_llm.integrations.vllm.stream_consumer import StreamConsumer
+from otel_llm.integrations.vllm.channels import cause_channel, stream_channel
+from otel_llm.integrations.vllm.channels.cause_channel import CauseRecord
+from otel_llm.integrations.vllm.engine_core import engine_tap
+from otel_llm.integrations.vllm.frontend.stream_consumer import StreamConsumer
 from tests.support.backends import wait_until
 
 QUEUED, SCHEDULED, PREEMPTED = 1, 2, 3
@@ -326,7 +327,7 @@ def test_outputs_of_a_shape_not_foreseen_are_decoded_by_vllms_own_decoder(
     import msgspec
     from vllm.v1.engine import FinishReason
 
-    from otel_llm.integrations.vllm import stream_translate
+    from otel_llm.integrations.vllm.translation import stream_translate
 
     monkeypatch.setattr(stream_translate, "decoder", lambda reader: msgspec.msgpack.Decoder(list[str]).decode)
     folder = tempfile.mkdtemp(prefix="otel-llm-stream-")

@@ -19,8 +19,8 @@ from samples import otel_samples
 from scheduler_load import Spec, build_scheduler, make_request, model_output
 
 from otel_llm.catalogue.metrics import BY_KEY
-from otel_llm.integrations.vllm import engine_tap
-from otel_llm.integrations.vllm.stream_consumer import StreamConsumer
+from otel_llm.integrations.vllm.engine_core import engine_tap
+from otel_llm.integrations.vllm.frontend.stream_consumer import StreamConsumer
 from tests.support.backends import wait_until
 
 

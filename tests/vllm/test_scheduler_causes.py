@@ -17,8 +17,10 @@ import pytest
 from scheduler_load import Preemption, Record, build_scheduler, drive, seeded_load, wrap_schedule_through
 
 from otel_llm.events import CAUSE_CACHE_RESET, CAUSE_REQUEST, CAUSE_SELF
-from otel_llm.integrations.vllm import cause_channel, deep_hook, engine_core
-from otel_llm.integrations.vllm.cause_channel import CauseRecord
+from otel_llm.integrations.vllm.channels import cause_channel
+from otel_llm.integrations.vllm.channels.cause_channel import CauseRecord
+from otel_llm.integrations.vllm.engine_core import engine_core
+from otel_llm.integrations.vllm.frontend import deep_hook
 
 # 24 requests of 8..48 prompt tokens and 32..128 output tokens, arriving over 10 steps, on 20 blocks
 # of 16 tokens (320 tokens: any one request fits alone), at most 8 running.

@@ -15,8 +15,10 @@ import pytest
 from samples import otel_samples
 from test_engine_tap import Engine, _run_until_finished
 
-from otel_llm.integrations.vllm import engine_tap, stream_channel, stream_translate
-from otel_llm.integrations.vllm.stream_consumer import StreamConsumer
+from otel_llm.integrations.vllm.channels import stream_channel
+from otel_llm.integrations.vllm.engine_core import engine_tap
+from otel_llm.integrations.vllm.frontend.stream_consumer import StreamConsumer
+from otel_llm.integrations.vllm.translation import stream_translate
 from tests.support.backends import wait_until
 
 BOUND = 16 << 10  # the backlog's bound in these tests
@@ -95,8 +97,8 @@ def test_the_goodbye_comes_after_the_backlog(tapped: Any, monkeypatch: pytest.Mo
     """A consumer behind when the engine core shuts down: the backlog is read, then the goodbye,
     so the requests still in flight end ``shutdown`` (the old sender dropped its backlog with the
     goodbye: they ended ``engine_dead``)."""
-    monkeypatch.setattr(stream_channel, "MAX_PENDING", 1 << 20)  # all kept
     o, engine = tapped, tapped.engine
+    monkeypatch.setattr(o.tap.sender, "max_pending", 1 << 20)  # all kept
     with o.consumer._lock:
         for i in range(8):
             engine.add(f"r{i}", prompt=20, max_tokens=100)

@@ -16,8 +16,8 @@ import pytest
 from conftest import VLLM_PREEMPTION_BUCKETS
 from samples import otel_samples, plugin_manager
 
-from otel_llm.integrations.vllm import stream_channel
-from otel_llm.integrations.vllm.stream_consumer import StreamConsumer
+from otel_llm.integrations.vllm.channels import stream_channel
+from otel_llm.integrations.vllm.frontend.stream_consumer import StreamConsumer
 from otel_llm.testing.vllm.stream import (
     Script,
     build,

@@ -20,7 +20,7 @@ def test_deep_hook_puts_a_span_event_at_each_preemption(otel, vllm_config, monke
     monkeypatch.setenv("OTEL_LLM_VLLM_DEEP_HOOK", "1")
     o = otel()
     manager, ours = plugin_manager(vllm_config)
-    from otel_llm.integrations.vllm import deep_hook as vllm_deep_hook
+    from otel_llm.integrations.vllm.frontend import deep_hook as vllm_deep_hook
 
     assert vllm_deep_hook.is_installed()
     script = build(default_specs(), time.monotonic(), time.time())
@@ -65,7 +65,7 @@ def test_without_deep_hook_spans_carry_the_exact_count_only(otel, vllm_config, m
     monkeypatch.setenv("OTEL_LLM_VLLM_DEEP_HOOK", off)
     o = otel()
     manager, _ = plugin_manager(vllm_config)
-    from otel_llm.integrations.vllm import deep_hook as vllm_deep_hook
+    from otel_llm.integrations.vllm.frontend import deep_hook as vllm_deep_hook
 
     assert not vllm_deep_hook.is_installed()
     script = build(default_specs(), time.monotonic(), time.time())
@@ -89,10 +89,10 @@ def test_deep_hook_attaches_by_structure_on_a_release_ci_does_not_prove(
     monkeypatch.setenv("OTEL_LLM_VLLM_DEEP_HOOK", "1")
     monkeypatch.setattr(vllm, "__version__", version)
     o = otel()
-    with caplog.at_level(logging.INFO, logger="otel_llm.integrations.vllm.deep_hook"):
+    with caplog.at_level(logging.INFO, logger="otel_llm.integrations.vllm.frontend.deep_hook"):
         manager, _ = plugin_manager(vllm_config)
         plugin_manager(vllm_config)  # a second logger: no second line
-    lines = [r for r in caplog.records if r.name == "otel_llm.integrations.vllm.deep_hook"]
+    lines = [r for r in caplog.records if r.name == "otel_llm.integrations.vllm.frontend.deep_hook"]
     assert [r.levelno for r in lines] == [logging.INFO]
     assert f"vLLM {version} is not among the releases CI proves" in lines[0].getMessage()
     script = build(default_specs()[:3], time.monotonic(), time.time())
@@ -105,15 +105,15 @@ def test_deep_hook_attaches_by_structure_on_a_release_ci_does_not_prove(
 def test_deep_hook_is_on_by_default_and_says_what_it_does_in_one_line(otel, vllm_config, monkeypatch, caplog):
     """Unset, the deep hook attaches; on a proven release its one line says what it gives and how
     to turn it off, nothing of the release."""
-    from otel_llm.integrations.vllm import deep_hook as vllm_deep_hook
     from otel_llm.integrations.vllm import package
+    from otel_llm.integrations.vllm.frontend import deep_hook as vllm_deep_hook
 
     monkeypatch.delenv("OTEL_LLM_VLLM_DEEP_HOOK")
     otel()
-    with caplog.at_level(logging.INFO, logger="otel_llm.integrations.vllm.deep_hook"):
+    with caplog.at_level(logging.INFO, logger="otel_llm.integrations.vllm.frontend.deep_hook"):
         plugin_manager(vllm_config)
     assert vllm_deep_hook.is_installed()
-    lines = [r.getMessage() for r in caplog.records if r.name == "otel_llm.integrations.vllm.deep_hook"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "otel_llm.integrations.vllm.frontend.deep_hook"]
     assert package.proven(package.installed())
     assert lines == [
         "otel-llm deep hook: attached to vLLM's IterationStats: a span event at each preemption with its time "
@@ -130,12 +130,12 @@ def test_deep_hook_refuses_a_changed_shape(otel, vllm_config, monkeypatch, caplo
 
     monkeypatch.setattr(IterationStats, "update_from_events", update_from_events)
     monkeypatch.setenv("OTEL_LLM_VLLM_DEEP_HOOK", "1")
-    from otel_llm.integrations.vllm import deep_hook as vllm_deep_hook
+    from otel_llm.integrations.vllm.frontend import deep_hook as vllm_deep_hook
 
-    with caplog.at_level(logging.WARNING, logger="otel_llm.integrations.vllm.deep_hook"):
+    with caplog.at_level(logging.WARNING, logger="otel_llm.integrations.vllm.frontend.deep_hook"):
         assert vllm_deep_hook.install() is False
         assert vllm_deep_hook.install() is False
-    warnings = [r for r in caplog.records if r.name == "otel_llm.integrations.vllm.deep_hook"]
+    warnings = [r for r in caplog.records if r.name == "otel_llm.integrations.vllm.frontend.deep_hook"]
     assert len(warnings) == 1 and "update_from_events has parameters" in warnings[0].getMessage()
     assert IterationStats.update_from_events is update_from_events
 
@@ -144,7 +144,7 @@ def test_general_plugin_entry_point_installs_only_when_enabled(monkeypatch):
     from vllm.plugins import load_plugins_by_group
     from vllm.v1.metrics.stats import IterationStats
 
-    from otel_llm.integrations.vllm import deep_hook as vllm_deep_hook
+    from otel_llm.integrations.vllm.frontend import deep_hook as vllm_deep_hook
 
     register = load_plugins_by_group("vllm.general_plugins")["otel_llm_deep_hook"]
     try:
@@ -223,7 +223,7 @@ def test_the_stat_loggers_hear_of_an_llm_shutdown_once(monkeypatch):
 
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from otel_llm.integrations.vllm import deep_hook as vllm_deep_hook
+    from otel_llm.integrations.vllm.frontend import deep_hook as vllm_deep_hook
 
     class Listener:
         calls = 0
@@ -263,7 +263,7 @@ def test_the_trace_headers_reach_the_request_passed_by_keyword_or_position(monke
 
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from otel_llm.integrations.vllm import deep_hook as vllm_deep_hook
+    from otel_llm.integrations.vllm.frontend import deep_hook as vllm_deep_hook
 
     seen = []
 
@@ -298,7 +298,7 @@ def test_the_causes_are_read_from_this_vllms_scheduler_and_another_shape_is_refu
 
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from otel_llm.integrations.vllm import engine_core
+    from otel_llm.integrations.vllm.engine_core import engine_core
 
     assert engine_core.shape_problem(Scheduler) is None
 

@@ -13,8 +13,10 @@ from typing import Any, Iterator
 
 import pytest
 
-from otel_llm.integrations.vllm import cause_channel, engine_tap, frontend, stream_channel
-from otel_llm.integrations.vllm.stream_consumer import StreamConsumer
+from otel_llm.integrations.vllm.channels import cause_channel, stream_channel
+from otel_llm.integrations.vllm.engine_core import engine_tap
+from otel_llm.integrations.vllm.frontend import frontend
+from otel_llm.integrations.vllm.frontend.stream_consumer import StreamConsumer
 
 
 @pytest.fixture
@@ -32,10 +34,10 @@ def fresh(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Iterator[list[Any]]
 
 
 def test_in_vllm_serves_process_the_consumer_starts_once(fresh, monkeypatch, caplog):
-    from otel_llm.integrations.vllm.deep_hook import register
+    from otel_llm.integrations.vllm.frontend.deep_hook import register
 
     monkeypatch.setenv("VLLM_USE_RUST_FRONTEND", "1")
-    with caplog.at_level(logging.INFO, logger="otel_llm.integrations.vllm.frontend"):
+    with caplog.at_level(logging.INFO, logger="otel_llm.integrations.vllm.frontend.frontend"):
         register()
         register()  # vLLM may load general plugins more than once in a process
     [consumer] = fresh
@@ -56,7 +58,7 @@ def test_in_an_engine_core_the_hand_over_attaches(fresh, monkeypatch, tmp_path):
     multiprocessing parent (Ray's data-parallel workers have none)."""
     from vllm.v1.engine.core import EngineCore
 
-    from otel_llm.integrations.vllm.deep_hook import register
+    from otel_llm.integrations.vllm.frontend.deep_hook import register
 
     original = EngineCore.add_request
     monkeypatch.setenv("VLLM_USE_RUST_FRONTEND", "1")
@@ -68,7 +70,7 @@ def test_in_an_engine_core_the_hand_over_attaches(fresh, monkeypatch, tmp_path):
 def test_a_folder_left_by_a_serve_that_ended_is_not_taken_for_this_serves(fresh, monkeypatch, tmp_path):
     """The variable left in an environment by a vllm serve that has ended: this process is a new
     vllm serve, with a folder of its own."""
-    from otel_llm.integrations.vllm.deep_hook import register
+    from otel_llm.integrations.vllm.frontend.deep_hook import register
 
     ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     monkeypatch.setenv("VLLM_USE_RUST_FRONTEND", "1")
@@ -84,7 +86,7 @@ def test_a_folder_left_by_a_serve_that_ended_is_not_taken_for_this_serves(fresh,
 def test_python_frontend_starts_neither(fresh, monkeypatch, value):
     from vllm.v1.engine.core import EngineCore
 
-    from otel_llm.integrations.vllm.deep_hook import register
+    from otel_llm.integrations.vllm.frontend.deep_hook import register
 
     if value is None:
         monkeypatch.delenv("VLLM_USE_RUST_FRONTEND", raising=False)
@@ -99,7 +101,7 @@ def test_vllm_serve_started_by_a_python_supervisor_still_runs_the_consumer(fresh
     """A multiprocessing parent (a supervisor) but no channel folder inherited: vllm serve's own."""
     import multiprocessing
 
-    from otel_llm.integrations.vllm.deep_hook import register
+    from otel_llm.integrations.vllm.frontend.deep_hook import register
 
     monkeypatch.setenv("VLLM_USE_RUST_FRONTEND", "1")
     monkeypatch.setattr(multiprocessing, "parent_process", lambda: object())

@@ -1,4 +1,4 @@
-"""The scheduler gauges with several API servers (otel_llm.integrations.vllm.gauges): the shared
+"""The scheduler gauges with several API servers (otel_llm.integrations.vllm.frontend.gauges): the shared
 record never yields a torn value, the freshest record wins, only API server 0 reports, and the
 gauges stay per process (one warning) when the record cannot be made.
 
@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 from samples import otel_family_names, otel_samples
 
-from otel_llm.integrations.vllm import gauges as vllm_gauges
-from otel_llm.integrations.vllm.gauges import SharedRecord
+from otel_llm.integrations.vllm.frontend import gauges as vllm_gauges
+from otel_llm.integrations.vllm.frontend.gauges import SharedRecord
 
 GAUGES = {
     "vllm:num_requests_running",
@@ -130,7 +130,7 @@ def serve(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
 
 
 def _api_server(otel: Any, vllm_config: Any, count: int, rank: int) -> tuple[Any, Any]:
-    from otel_llm.integrations.vllm.adapter import VllmAdapter
+    from otel_llm.integrations.vllm.frontend.adapter import VllmAdapter
 
     o = otel()
     impl = VllmAdapter(_config(vllm_config, count, rank), [0], handle=o.handle)
@@ -191,7 +191,7 @@ def test_api_server_0_reports_the_freshest_values_the_others_none(otel, vllm_con
 
 
 def test_per_engine_with_data_parallel_engines(otel, vllm_config, serve: Path) -> None:
-    from otel_llm.integrations.vllm.adapter import VllmAdapter
+    from otel_llm.integrations.vllm.frontend.adapter import VllmAdapter
 
     impls, otels = [], []
     for rank in (0, 1):

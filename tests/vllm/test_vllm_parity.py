@@ -13,7 +13,7 @@ from samples import otel_family_names, otel_samples, plugin_manager, vllm_sample
 from otel_llm.testing.vllm.stream import build, default_specs, run
 
 # The vLLM metrics otel-llm's core telemetry reproduces (vllm naming profile); vLLM's logger
-# code records the others (otel_llm.integrations.vllm.series).
+# code records the others (otel_llm.integrations.vllm.series.series).
 CORE = {
     "vllm:request_num_preemptions",
     "vllm:num_preemptions",
@@ -62,7 +62,7 @@ def test_parity_with_vllm_prometheus_logger(otel, vllm_config, monkeypatch, deep
     o = otel(preemption_buckets=VLLM_PREEMPTION_BUCKETS)
     manager, ours, streams = _run_two_engines(vllm_config)
     manager.log_engine_initialized()  # as AsyncLLM does at start: vLLM's cache_config_info
-    from otel_llm.integrations.vllm import deep_hook as vllm_deep_hook
+    from otel_llm.integrations.vllm.frontend import deep_hook as vllm_deep_hook
 
     assert vllm_deep_hook.is_installed() == (deep_hook == "on")
     assert ours.field_warnings == frozenset()

@@ -25,7 +25,7 @@ def test_entry_point_found_by_vllm_loader():
     from vllm.plugins import load_plugins_by_group
 
     general = load_plugins_by_group("vllm.general_plugins")
-    from otel_llm.integrations.vllm import deep_hook as vllm_deep_hook
+    from otel_llm.integrations.vllm.frontend import deep_hook as vllm_deep_hook
 
     assert general["otel_llm_deep_hook"] is vllm_deep_hook.register
 
@@ -137,7 +137,7 @@ def test_a_bad_setting_disables_the_plugin_not_vllm(vllm_config, monkeypatch, ca
 def test_importing_otel_llm_does_not_import_vllm():
     code = (
         "import sys, otel_llm, otel_llm.integrations, otel_llm.integrations.vllm, "
-        "otel_llm.integrations.vllm.deep_hook; otel_llm.TelemetryConfig; otel_llm.EngineTelemetry; "
+        "otel_llm.integrations.vllm.frontend.deep_hook; otel_llm.TelemetryConfig; otel_llm.EngineTelemetry; "
         "bad = sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')); "
         "assert not bad, bad; print('ok')"
     )

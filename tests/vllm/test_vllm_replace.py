@@ -28,7 +28,7 @@ def clean(monkeypatch):
     from vllm.v1.metrics.prometheus import unregister_vllm_metrics
 
     from otel_llm.integrations import vllm as plugin
-    from otel_llm.integrations.vllm import deep_hook
+    from otel_llm.integrations.vllm.frontend import deep_hook
 
     for var in ("OTEL_LLM_VLLM_METRICS", "OTEL_LLM_NAMING"):
         monkeypatch.delenv(var, raising=False)
@@ -86,7 +86,7 @@ def _stock(vllm_config, accept: str) -> tuple[str, list[str], list[str]]:
 
 
 def _replace_class(monkeypatch):
-    from otel_llm.integrations.vllm.stat_logger import stat_logger_class
+    from otel_llm.integrations.vllm.frontend.stat_logger import stat_logger_class
 
     monkeypatch.setenv("OTEL_LLM_VLLM_METRICS", "replace")
     return stat_logger_class()
@@ -161,7 +161,7 @@ def test_replace_scrape_after_shutdown_answers(clean, vllm_config, monkeypatch):
 def test_a_bad_mode_disables_the_plugin_not_vllm(clean, vllm_config, monkeypatch, caplog):
     from vllm.v1.metrics.loggers import PrometheusStatLogger
 
-    from otel_llm.integrations.vllm.stat_logger import stat_logger_class
+    from otel_llm.integrations.vllm.frontend.stat_logger import stat_logger_class
 
     monkeypatch.setenv("OTEL_LLM_VLLM_METRICS", "sideways")
     with caplog.at_level(logging.WARNING):

@@ -168,7 +168,7 @@ def test_iteration_timestamp_missing_falls_back_to_now(otel, vllm_config, caplog
 
 def test_an_exception_in_a_stat_logger_call_stays_in_the_plugin(otel, vllm_config, caplog, monkeypatch):
     """Whatever the adapter raises, vLLM's calls return; one error line per method and exception type."""
-    from otel_llm.integrations.vllm import stat_logger
+    from otel_llm.integrations.vllm.frontend import stat_logger
 
     monkeypatch.setattr(stat_logger, "_reported", set())  # what earlier tests reported in this process
     otel()

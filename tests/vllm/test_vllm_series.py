@@ -292,11 +292,11 @@ def test_with_its_own_providers_the_per_step_core_series_are_vllms_read_at_colle
     (which those series then carry) the plugin records them itself, with the same values."""
     from prometheus_client import REGISTRY, generate_latest
 
-    from otel_llm.integrations.vllm import translate
+    from otel_llm.integrations.vllm.frontend import step_translator
 
     monkeypatch.setenv("OTEL_METRICS_EXEMPLAR_FILTER", exemplar_filter)
     monkeypatch.setenv("OTEL_LLM_PREEMPTION_BUCKETS", ",".join(map(str, VLLM_PREEMPTION_BUCKETS)))
-    monkeypatch.setattr(translate, "_told_unknown", [])
+    monkeypatch.setattr(step_translator, "_told_unknown", [])
     vllm_config = _config(model_dir)
     manager, ours = plugin_manager(vllm_config, [0, 1])
     impl = ours._impl

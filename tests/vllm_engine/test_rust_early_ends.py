@@ -6,7 +6,7 @@ One server for the module (``VLLM_SERVER_DEV_MODE=1`` for ``POST /reset_prefix_c
 order: the utility call; one request of :data:`TOKENS` tokens alone, the third frame of whose
 outputs fails to translate (a fault injected in the consumer: tests/vllm_engine/stream_fault); a
 load of :data:`LOAD` requests; :data:`DROPPED` streams their clients close after two chunks (the
-engine core held meanwhile); a
+engine core held and run in bursts meanwhile); a
 probe, then :data:`STOPPED` requests that stop on a string of the probe's text. vllm-rs forwards
 no trace context: the spans are known by the engine core's request id, the client's completion id
 with a suffix.
@@ -15,6 +15,7 @@ with a suffix.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -36,7 +37,7 @@ from otel_llm.testing.vllm.server import (
     scrape,
 )
 from tests.support.backends import require_backend, wait_until
-from tests.vllm_engine.test_faults import _engine_cores, _signal
+from tests.vllm_engine.test_faults import _burst, _engine_cores, _signal
 
 SERVICE = "vllm-rust-early-ends"
 FAULT = Path(__file__).resolve().parent / "stream_fault"
@@ -45,6 +46,7 @@ FAIL_AT = 3  # the lone request's third output frame fails to translate
 LOAD = Load(requests=8, concurrency=8, max_tokens=TOKENS, seed=3, traced=False)
 DROPPED = 6
 DROPPED_MAX_TOKENS = 200  # far more than a stream makes before its client is gone
+MAX_BURSTS = 400  # of the held engine core, until every dropped stream has had two chunks
 STOPPED = 3
 Samples = dict[tuple[str, frozenset], float]
 
@@ -89,9 +91,11 @@ def _spans(sink: Any) -> dict[str, Any]:
 
 
 async def _drop_streams(url: str, cores: list[int], count: int) -> list[str]:
-    """``count`` streams of long completions; once each has had two chunks, the engine core is
-    stopped (SIGSTOP: it cannot finish them meanwhile), every client closes its connection, and
-    the engine core goes on: the frontend finds each client gone at its next chunk."""
+    """``count`` streams of long completions, each closed by its client after two chunks. The
+    engine core is held (SIGSTOP) and let run in short bursts until every stream has had two
+    chunks, so that it cannot finish them meanwhile however late this test's client runs; then
+    every client closes its connection and the engine core goes on: the frontend finds each
+    client gone at its next chunk."""
     import aiohttp
 
     responses: list[Any] = []
@@ -119,16 +123,21 @@ async def _drop_streams(url: str, cores: list[int], count: int) -> list[str]:
                     return
 
     timeout = aiohttp.ClientTimeout(total=300)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
-        tasks = [asyncio.create_task(one(i)) for i in range(count)]
-        await asyncio.wait_for(two_chunks.wait(), 300)
-        _signal(cores, signal.SIGSTOP)
-        try:
-            await asyncio.gather(*tasks)
+    _signal(cores, signal.SIGSTOP)
+    try:
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            tasks = [asyncio.create_task(one(i)) for i in range(count)]
+            for _ in range(MAX_BURSTS):
+                if two_chunks.is_set():
+                    break
+                await _burst(cores)
+                with contextlib.suppress(asyncio.TimeoutError):  # the chunks of that burst still coming
+                    await asyncio.wait_for(asyncio.shield(two_chunks.wait()), 0.2)
+            await asyncio.wait_for(asyncio.gather(*tasks), 60)
             for response in responses:
                 response.close()  # the connection closed: the client is gone
-        finally:
-            _signal(cores, signal.SIGCONT)
+    finally:
+        _signal(cores, signal.SIGCONT)
     return ids
 
 
@@ -168,7 +177,6 @@ def run(tiny_model: Path, otlp_sink: Any) -> Iterator[Run]:
             "OTEL_LLM_TEST_FAIL_OUTPUTS": str(FAIL_AT),
         },
         rust_frontend=True,
-        nice=10,  # this test's client acts between two chunks of the streams it drops
     )
     with server:
         reset_status, _ = _post(server.url + "/reset_prefix_cache")

@@ -93,8 +93,8 @@ class Frontend:
 
     def _configure(self, variant: str) -> list[Any]:
         """The plugin's environment for ``variant``; the stat-logger factories AsyncLLM loads."""
-        from otel_llm.integrations.vllm import deep_hook as vllm_deep_hook
-        from otel_llm.integrations.vllm import stat_logger
+        from otel_llm.integrations.vllm.frontend import deep_hook as vllm_deep_hook
+        from otel_llm.integrations.vllm.frontend import stat_logger
 
         for var in self._plugin_vars + ["OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_PROTOCOL"]:
             os.environ.pop(var, None)
@@ -126,7 +126,7 @@ class Frontend:
         from vllm.v1.metrics.prometheus import unregister_vllm_metrics
 
         from otel_llm.integrations import vllm as plugin
-        from otel_llm.integrations.vllm import deep_hook as vllm_deep_hook
+        from otel_llm.integrations.vllm.frontend import deep_hook as vllm_deep_hook
 
         unregister_vllm_metrics()
         factories = self._configure(variant)

@@ -4,8 +4,8 @@
 What otel-llm costs vLLM's real CPU engine under vLLM's Rust frontend (``vllm serve`` with
 ``VLLM_USE_RUST_FRONTEND=1``: HTTP served by ``vllm-rs``, the engine core and its worker vLLM's
 Python). There the plugin's part is a hand-over in the engine core
-(:mod:`otel_llm.integrations.vllm.engine_tap`) and the telemetry in ``vllm serve``'s own process
-(:mod:`otel_llm.integrations.vllm.stream_consumer`). Two servers side by side:
+(:mod:`otel_llm.integrations.vllm.engine_core.engine_tap`) and the telemetry in ``vllm serve``'s own process
+(:mod:`otel_llm.integrations.vllm.frontend.stream_consumer`). Two servers side by side:
 
 - ``stock``: ``VLLM_PLUGINS`` names a plugin that does not exist, so vLLM's
   ``load_plugins_by_group`` (an exact-name filter) loads no plugin of any group;

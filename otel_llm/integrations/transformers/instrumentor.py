@@ -57,6 +57,7 @@ class _Telemetry:
         self._lock = threading.Lock()
 
     def for_model(self, model_name: str) -> Any:
+        from otel_llm.config.tenants import SOURCES_BY_ENTRY_POINT
         from otel_llm.core.telemetry import EngineTelemetry
         from otel_llm.export.setup import setup_telemetry
 
@@ -66,10 +67,19 @@ class _Telemetry:
             if telemetry is None:
                 config = dataclasses.replace(self.config, model_name=name)
                 meter_provider, tracer_provider = self.providers
+                sources = SOURCES_BY_ENTRY_POINT["transformers"]
                 if meter_provider is not None or tracer_provider is not None:
-                    telemetry = EngineTelemetry(config, meter_provider=meter_provider, tracer_provider=tracer_provider)
+                    telemetry = EngineTelemetry(
+                        config,
+                        meter_provider=meter_provider,
+                        tracer_provider=tracer_provider,
+                        tenant_sources=sources,
+                        entry_point="transformers",
+                    )
                 elif self.handle is None:
-                    self.handle = setup_telemetry(config, port_taken="warn")
+                    self.handle = setup_telemetry(
+                        config, port_taken="warn", tenant_sources=sources, entry_point="transformers"
+                    )
                     telemetry = self.handle.telemetry
                 else:
                     telemetry = self.handle.new_telemetry(model_name=name)

@@ -14,9 +14,9 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 from otel_llm.catalogue.metrics import BY_KEY, METRICS, base_attributes, label_key, request_token_buckets
 from otel_llm.config.settings import TelemetryConfig, from_environment
 from otel_llm.integrations.vllm import handle as shared_handle
-from otel_llm.integrations.vllm import replace as vllm_replace
-from otel_llm.integrations.vllm.fields import FieldReader
-from otel_llm.integrations.vllm.translate import DEFAULT_PREEMPTION_REASON
+from otel_llm.integrations.vllm.frontend import replace as vllm_replace
+from otel_llm.integrations.vllm.translation.fields import FieldReader
+from otel_llm.integrations.vllm.translation.translate import DEFAULT_PREEMPTION_REASON
 from otel_llm.recording.in_process import InProcessRecorder
 
 _log = logging.getLogger("otel_llm.integrations.vllm")  # one logger for the vLLM adapter, whichever module logs
@@ -124,7 +124,7 @@ def _from_vllm_config(vllm_config: Any, reader: FieldReader) -> tuple[Optional[s
 def _vllm_facing_reader(series: Any) -> list[Any]:
     from vllm.v1.metrics.prometheus import get_prometheus_registry
 
-    from otel_llm.integrations.vllm.replace import VllmFacingReader
+    from otel_llm.integrations.vllm.frontend.replace import VllmFacingReader
 
     documentation = {name: f.documentation for name, f in series.families.items()}  # their HELP text
     return [VllmFacingReader(get_prometheus_registry(), documentation)]
@@ -193,7 +193,7 @@ def _vllm_traces_requests(vllm_config: Any) -> bool:
 
 def _series(vllm_config: Any, engine_indexes: list[int], naming: str) -> Any:
     try:
-        from otel_llm.integrations.vllm.series import VllmSeries
+        from otel_llm.integrations.vllm.series.series import VllmSeries
 
         return VllmSeries(vllm_config, engine_indexes, naming)
     except Exception as exc:  # noqa: BLE001 - vLLM's series are optional: the core metrics stay

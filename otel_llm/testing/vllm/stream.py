@@ -304,7 +304,7 @@ class SchedulerModel:
         from vllm.v1.metrics.stats import PrefillStats, PrefixCacheStats, SchedulerStats
 
         from otel_llm.events import CAUSE_REQUEST, CAUSE_SELF
-        from otel_llm.integrations.vllm.cause_channel import CauseRecord
+        from otel_llm.integrations.vllm.channels.cause_channel import CauseRecord
 
         shape, arrival = self.shape, self.clock
         waiting: collections.deque[_Modelled] = collections.deque()

@@ -12,7 +12,7 @@ import os
 _FAIL_AT = int(os.environ.get("OTEL_LLM_TEST_FAIL_OUTPUTS", "0"))
 
 if _FAIL_AT > 0:
-    from otel_llm.integrations.vllm.stream_translate import StreamTranslator
+    from otel_llm.integrations.vllm.translation.stream_translate import StreamTranslator
 
     _outputs = StreamTranslator.outputs
     _seen = [0]

@@ -17,7 +17,7 @@ import logging
 import os
 from typing import Any, Mapping
 
-from otel_llm.integrations.vllm.cause_channel import ENV, folder, maker_alive
+from otel_llm.integrations.vllm.channels.cause_channel import ENV, folder, maker_alive
 
 _log = logging.getLogger(__name__)
 
@@ -50,12 +50,12 @@ def start(environ: Mapping[str, str] = os.environ) -> bool:
     # vllm serve's own process makes the folder; every process it starts, however (its engine
     # cores, Ray's workers for data parallelism), inherits it while vllm serve runs.
     if inherited is None:
-        from otel_llm.integrations.vllm.stream_consumer import StreamConsumer
+        from otel_llm.integrations.vllm.frontend.stream_consumer import StreamConsumer
 
         _started.append(StreamConsumer(path).start())
         _log.info("otel-llm: %s=1: recording vLLM's engine-core stream in this process", RUST_FRONTEND_ENV)
     else:
-        from otel_llm.integrations.vllm import engine_tap
+        from otel_llm.integrations.vllm.engine_core import engine_tap
 
         engine_tap.install(path)
         _started.append(engine_tap)

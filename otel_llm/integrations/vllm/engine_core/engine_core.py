@@ -26,7 +26,7 @@ import sys
 from typing import Any, Callable, Optional
 
 from otel_llm.events import CAUSE_CACHE_RESET, CAUSE_REQUEST, CAUSE_SELF, CAUSE_UNKNOWN
-from otel_llm.integrations.vllm.cause_channel import CauseRecord, Sender, folder
+from otel_llm.integrations.vllm.channels.cause_channel import CauseRecord, Sender, folder
 
 _log = logging.getLogger("otel_llm.integrations.vllm")  # one logger for the vLLM adapter, whichever module logs
 

@@ -51,8 +51,10 @@ import weakref
 from typing import Any, Callable, Mapping, Optional
 
 from otel_llm.config.settings import from_environment
-from otel_llm.integrations.vllm import attribution, engine_core, package, traces
-from otel_llm.integrations.vllm.cause_channel import folder
+from otel_llm.integrations.vllm import package
+from otel_llm.integrations.vllm.channels.cause_channel import folder
+from otel_llm.integrations.vllm.engine_core import engine_core
+from otel_llm.integrations.vllm.frontend import attribution, traces
 from otel_llm.summary import ENGINE_DEAD, SHUTDOWN
 
 _log = logging.getLogger(__name__)
@@ -83,7 +85,7 @@ def register() -> None:
     never raises into vLLM."""
     try:
         from otel_llm.export.settings_check import check_settings, refused
-        from otel_llm.integrations.vllm import frontend
+        from otel_llm.integrations.vllm.frontend import frontend
 
         # A bad setting leaves every part off, said once where the telemetry would start: by the
         # stat logger, or here under the Rust frontend, which calls no stat logger.

@@ -10,7 +10,7 @@ import collections
 import time
 from typing import Any, Iterable, Optional
 
-from otel_llm.integrations.vllm.enums import PREEMPTED, SCHEDULED
+from otel_llm.integrations.vllm.translation.enums import PREEMPTED, SCHEDULED
 
 TRACE_ATTR = "_otel_llm_trace"
 MAX_ENDED = 4096

@@ -8,9 +8,10 @@ inherited by the processes it starts, 0700). A line is written inside ``schedule
 step's outputs leave the engine core: once an API server has those outputs, the line is in its
 socket's queue, so draining it (non-blocking) before the outputs' finished requests are
 translated finds every cause they need. Nothing is written or read while nobody is preempted;
-the engine core never blocks on it (past a full socket it keeps up to :data:`MAX_PENDING` bytes,
-sent with its next line; beyond, it drops records and tells their count), and an API server never
-waits for it.
+the engine core never blocks on it (it writes as it writes the engine-core stream, through a
+:class:`~.socket_writer.SocketWriter` per API server: past a full socket it keeps up to
+:data:`MAX_PENDING` bytes, sent with its next line; beyond, it drops records and tells their
+count), and an API server never waits for it.
 
 A line is JSON: ``["p", victim, ordinal, kind, [cause, ...]]`` (vLLM's internal request ids; the
 victim's preemption ordinal, counting from 1) or ``["lost", n]``.
@@ -28,6 +29,8 @@ import socket
 import tempfile
 import time
 from typing import Iterator, NamedTuple, Optional
+
+from otel_llm.integrations.vllm.channels.socket_writer import SocketWriter
 
 _log = logging.getLogger("otel_llm.integrations.vllm")  # one logger for the vLLM adapter, whichever module logs
 
@@ -85,13 +88,12 @@ def encode(record: CauseRecord) -> bytes:
 
 
 class Sender:
-    """The engine core's end: a line to every API server of the serve."""
+    """The engine core's end: a line to every API server of the serve, each through a
+    :class:`~.socket_writer.SocketWriter` of its own (its losses told in a ``["lost", n]`` line)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._peers: dict[str, socket.socket] = {}
-        self._pending: dict[str, bytes] = {}  # per receiver: bytes its socket could not take yet
-        self._lost: dict[str, int] = {}  # per receiver: records dropped, to be told
+        self._writers: dict[str, SocketWriter] = {}  # per receiver's socket name
         self._scanned = -RESCAN_S
 
     def send(self, record: CauseRecord) -> None:
@@ -100,50 +102,29 @@ class Sender:
         if now - self._scanned >= RESCAN_S:
             self._scanned = now
             self._connect_new()
-        for name, peer in list(self._peers.items()):
-            rest = self._write(name, peer, self._pending.pop(name, b""))  # what waited goes first
-            if rest is None:
-                continue
-            if len(rest) >= MAX_PENDING:  # that API server is far behind: this record is lost, counted
-                self._lost[name] = self._lost.get(name, 0) + 1
-            else:
-                lost = self._lost.pop(name, 0)
-                if lost:
-                    rest += (json.dumps(["lost", lost]) + "\n").encode()
-                rest = self._write(name, peer, rest + line)
-            if rest:
-                self._pending[name] = rest  # sent with the next record (a line part-sent stays whole)
-
-    def _write(self, name: str, peer: socket.socket, data: bytes) -> Optional[bytes]:
-        """What of ``data`` the socket did not take; None when that API server is gone."""
-        if not data:
-            return data
-        try:
-            sent = peer.send(data)
-        except BlockingIOError:
-            sent = 0
-        except OSError:
-            del self._peers[name]
-            self._lost.pop(name, None)
-            peer.close()
-            return None
-        return data[sent:]
+        for name, writer in list(self._writers.items()):
+            writer.send(line)
+            if not writer.connected:  # that API server is gone: forgotten (a new one is found by name)
+                del self._writers[name]
 
     def _connect_new(self) -> None:
         try:
-            names = [n for n in os.listdir(self.path) if n.endswith(SUFFIX) and n not in self._peers]
+            names = [n for n in os.listdir(self.path) if n.endswith(SUFFIX) and n not in self._writers]
         except OSError:
             return
         for name in names:
-            peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                peer.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
-                peer.setblocking(False)
-                peer.connect(os.path.join(self.path, name))
-            except OSError:  # not listening (any more), or its backlog is full: the next scan
-                peer.close()
-                continue
-            self._peers[name] = peer
+            writer = SocketWriter(
+                os.path.join(self.path, name),
+                send_buffer=SEND_BUFFER,
+                max_pending=MAX_PENDING,
+                lost_message=_lost_line,
+            )
+            if writer.connect():  # else not listening (any more), or its backlog is full: the next scan
+                self._writers[name] = writer
+
+
+def _lost_line(count: int) -> bytes:
+    return (json.dumps(["lost", count]) + "\n").encode()
 
 
 class Receiver:

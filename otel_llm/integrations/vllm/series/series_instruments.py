@@ -1,5 +1,5 @@
 """The OpenTelemetry side of vLLM's series: the Views that rename the families recorded by a
-:class:`~otel_llm.integrations.vllm.series.VllmSeries` to vLLM's ``vllm:`` names (``vllm.<name>``
+:class:`~otel_llm.integrations.vllm.series.series.VllmSeries` to vLLM's ``vllm:`` names (``vllm.<name>``
 in the ``semconv`` profile) and give histograms their buckets, and the observable instruments
 of a MeterProvider that read those families at collection time."""
 
@@ -12,14 +12,14 @@ from opentelemetry.metrics import CallbackOptions, Meter, Observation
 from opentelemetry.sdk.metrics.view import View
 
 from otel_llm.catalogue.metrics import SCOPE
-from otel_llm.integrations.vllm.families import Family, construct_lock
+from otel_llm.integrations.vllm.series.families import Family, construct_lock
 from otel_llm.recording.cell_aggregation import InProcessHistogram
 from otel_llm.recording.cells import HistogramCell
 from otel_llm.recording.in_process import drain
 from otel_llm.version import __version__
 
 if TYPE_CHECKING:
-    from otel_llm.integrations.vllm.series import VllmSeries
+    from otel_llm.integrations.vllm.series.series import VllmSeries
 
 __all__ = ["SeriesView", "bind", "views"]
 

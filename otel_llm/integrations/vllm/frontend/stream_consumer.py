@@ -2,15 +2,16 @@
 frontend): a thread in ``vllm serve``'s own process, which outlives its engine cores.
 
 It listens on the serve's stream channel (:mod:`.stream_channel`) and on its cause channel
-(:mod:`.cause_channel`); each engine core connects, says who it is, and hands over what it sent its
-frontend. Per engine: one ``EngineTelemetry`` (label ``engine``: its index) fed by a
+(:mod:`.cause_channel`); each engine core connects, says who it is, and hands over what it sent
+its frontend. Per engine: one ``EngineTelemetry`` (label ``engine``: its index) fed by a
 :class:`.StreamTranslator`, on providers of its own that ``setup_telemetry`` builds from the
 environment, with a ``service.instance.id`` of its own (the serve's, ``-engine-N``), all served on
 one Prometheus endpoint, with the settings the engine core tells at its hello (its served model's
-name and ``max_model_len``) under the environment's, resolved as the stat-logger path resolves
-them (:func:`.plan.engine_config`). An engine core that stops cleanly says so; one whose
-connection ends otherwise died: its requests in flight end, marked ``engine_dead``. When the serve
-exits, those still in flight end marked ``shutdown`` and everything is flushed.
+name, ``max_model_len``, vLLM's custom histogram buckets) under the environment's, resolved as the
+stat-logger path resolves them (:func:`.plan.engine_config`). An engine core that stops cleanly
+says so; one whose connection ends otherwise died: its requests in flight end, marked
+``engine_dead``. When the serve exits, those still in flight end marked ``shutdown`` and
+everything is flushed.
 
 Never an exception into vLLM, and a failure costs only what failed: a frame that cannot be decoded
 or translated is skipped and counted (``engine_stream_unreadable``, said once); a connection whose
@@ -35,10 +36,11 @@ from typing import Any, Callable, Optional
 
 from otel_llm.catalogue import drops
 from otel_llm.export import resource as resources
-from otel_llm.integrations.vllm import cause_channel, stream_channel, stream_translate
-from otel_llm.integrations.vllm.fields import FieldReader
+from otel_llm.integrations.vllm.channels import cause_channel, stream_channel
 from otel_llm.integrations.vllm.plan import engine_config
-from otel_llm.integrations.vllm.stream_translate import StreamTranslator
+from otel_llm.integrations.vllm.translation import stream_translate
+from otel_llm.integrations.vllm.translation.fields import FieldReader
+from otel_llm.integrations.vllm.translation.stream_translate import StreamTranslator
 from otel_llm.summary import ENGINE_DEAD, SHUTDOWN
 
 _log = logging.getLogger("otel_llm.integrations.vllm")

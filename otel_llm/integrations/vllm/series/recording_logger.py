@@ -4,7 +4,7 @@ the plugin (``replace`` mode, API servers sharing the scheduler gauges).
 vLLM's logger builds its metrics through the class attributes ``_gauge_cls``, ``_counter_cls``,
 ``_histogram_cls`` (and its helpers' ``_spec_decoding_cls``, ``_kv_connector_cls``, ...), which
 vLLM's Ray integration replaces to send the same series to Ray. :func:`build_logger` replaces
-them with :mod:`~otel_llm.integrations.vllm.families`, so the names, labels, buckets, zero
+them with :mod:`~otel_llm.integrations.vllm.series.families`, so the names, labels, buckets, zero
 series created at start, and values are vLLM's by construction, for whatever vLLM version and
 settings are running.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator
 
-from otel_llm.integrations.vllm.families import (
+from otel_llm.integrations.vllm.series.families import (
     CounterFamily,
     Family,
     FamilyOwner,

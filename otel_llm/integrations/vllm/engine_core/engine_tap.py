@@ -11,12 +11,12 @@ What the engine core pays, and where:
   with their time, after the requests added before them (the output thread may be idle: no
   output would carry them); vLLM sends its frontend nothing for such a request;
 - its output thread, at its start: who it is (engine index, served model, ``max_model_len``,
-  vLLM's custom histogram buckets),
-  said first on every connection; per output message: the bytes vLLM has just encoded for its
-  frontend (``EngineCoreProc._send_msg_tracking_payload``), its first buffer sent as one frame
-  straight from vLLM's memory (copied only past a full socket), the requests added since (their
-  id, arrival time, prompt length, ``max_tokens``, trace headers) read and written before them,
-  one non-blocking send; never an OpenTelemetry call, never an exception into vLLM;
+  vLLM's custom histogram buckets), said first on every connection; per output message: the bytes
+  vLLM has just encoded for its frontend (``EngineCoreProc._send_msg_tracking_payload``), its
+  first buffer sent as one frame straight from vLLM's memory (copied only past a full socket), the
+  requests added since (their id, arrival time, prompt length, ``max_tokens``, trace headers) read
+  and written before them, one non-blocking send; never an OpenTelemetry call, never an exception
+  into vLLM;
 - its shutdown: a goodbye, after the backlog, waiting for it at most :data:`BYE_FLUSH_S`.
 
 Nothing is sent before the output thread has started, nor after the engine core said goodbye.
@@ -33,7 +33,7 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-from otel_llm.integrations.vllm import stream_channel
+from otel_llm.integrations.vllm.channels import stream_channel
 
 _log = logging.getLogger("otel_llm.integrations.vllm")
 

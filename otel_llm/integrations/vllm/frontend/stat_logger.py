@@ -3,14 +3,14 @@
 Installed next to vLLM, otel-llm is loaded by ``AsyncLLM`` (``vllm serve``) through the entry
 point ``otel_llm = "otel_llm.integrations.vllm:OtelStatLogger"``. vLLM hands it, per engine
 step, its ``SchedulerStats`` and ``IterationStats``; the adapter
-(:mod:`otel_llm.integrations.vllm.adapter`) translates them into the core telemetry
+(:mod:`otel_llm.integrations.vllm.frontend.adapter`) translates them into the core telemetry
 (:class:`otel_llm.EngineTelemetry`): the same metrics as vLLM's own Prometheus logger
 (under the same names with the ``vllm`` naming profile), plus OTLP push, exemplars, the
 ``le=0.5`` never-preempted bucket and one ``llm_request`` span per finished request.
 
 vLLM is imported lazily, here only: ``import otel_llm`` / ``import otel_llm.integrations`` never
 imports vLLM. vLLM says its stats classes are not a stable interface, so every field is read
-through :class:`~otel_llm.integrations.vllm.fields.FieldReader`: a missing, renamed or retyped
+through :class:`~otel_llm.integrations.vllm.translation.fields.FieldReader`: a missing, renamed or retyped
 field degrades only the metrics that need it, with one warning; nothing raises into vLLM
 (``record()`` is wrapped).
 
@@ -18,8 +18,8 @@ Settings (environment; see docs/vllm.md): the standard ``OTEL_*`` variables thro
 :func:`otel_llm.setup_telemetry`, ``OTEL_LLM_*`` through :meth:`TelemetryConfig.from_env`
 (``OTEL_LLM_MODEL_NAME`` overrides vLLM's served model name), and
 ``OTEL_LLM_VLLM_DEEP_HOOK=0`` to turn off the deep hook (per-preemption events and causes, on by
-default: :mod:`otel_llm.integrations.vllm.deep_hook`), ``OTEL_LLM_VLLM_METRICS=replace`` to answer vLLM's
-own ``/metrics`` in place of vLLM's Prometheus logger (:mod:`otel_llm.integrations.vllm.replace`).
+default: :mod:`otel_llm.integrations.vllm.frontend.deep_hook`), ``OTEL_LLM_VLLM_METRICS=replace`` to answer vLLM's
+own ``/metrics`` in place of vLLM's Prometheus logger (:mod:`otel_llm.integrations.vllm.frontend.replace`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional
 
 from otel_llm.export.settings_check import refused
 from otel_llm.integrations.vllm import package
-from otel_llm.integrations.vllm.adapter import VllmAdapter
+from otel_llm.integrations.vllm.frontend.adapter import VllmAdapter
 
 _log = logging.getLogger("otel_llm.integrations.vllm")  # one logger for the vLLM adapter, whichever module logs
 
@@ -250,7 +250,7 @@ def _make_replacing_class(adding: Any) -> type:
 def stat_logger_class() -> type:
     """The stat-logger class for the mode ``OTEL_LLM_VLLM_METRICS`` asks for: replace mode's
     where this vLLM leaves its own logger out for it, else add mode's (:mod:`.replace`)."""
-    from otel_llm.integrations.vllm import replace as vllm_replace
+    from otel_llm.integrations.vllm.frontend import replace as vllm_replace
 
     replace = vllm_replace.requested() and vllm_replace.structure_obstacle() is None
     return _make_logger_class(replace)

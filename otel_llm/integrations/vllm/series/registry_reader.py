@@ -8,7 +8,7 @@ from typing import Any, Callable, Iterator, Optional
 
 from opentelemetry.metrics import Observation
 
-from otel_llm.integrations.vllm.families import Family
+from otel_llm.integrations.vllm.series.families import Family
 from otel_llm.recording.cells import HistogramCell
 
 __all__ = ["RegistryReader"]

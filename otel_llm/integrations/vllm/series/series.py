@@ -6,13 +6,13 @@ exports many more: prefix and multi-modal cache counters, prompt tokens by sourc
 requests by reason, ``cache_config_info``, sleep state, admission rejections, estimated FLOPs
 and bytes, and, when the feature is on, speculative decoding, KV connector, LoRA and KV block
 metrics. Those are reproduced here *by vLLM's own code*: vLLM's ``PrometheusStatLogger`` built
-on recording families of our own (:mod:`~otel_llm.integrations.vllm.recording_logger`), so
+on recording families of our own (:mod:`~otel_llm.integrations.vllm.series.recording_logger`), so
 the families it declares are vLLM's for whatever vLLM version and settings are running.
 
 Families that the core telemetry already exports (``vllm:`` names of :data:`otel_llm.catalogue.metrics.METRICS`)
 are left to it: here they record nothing (beside vLLM's logger, the adapter has those of each step
 read from vLLM's registry by :meth:`VllmSeries.read` too). The rest are OpenTelemetry observable
-instruments (:mod:`~otel_llm.integrations.vllm.series_instruments`), renamed to vLLM's ``vllm:``
+instruments (:mod:`~otel_llm.integrations.vllm.series.series_instruments`), renamed to vLLM's ``vllm:``
 names by Views, which must exist when the MeterProvider is built:
 ``setup_telemetry(config, extra_views=series.views())`` (the plugin does this itself). In the
 ``semconv`` naming profile the names are ``vllm.<name>`` and the ``model_name``/``engine``
@@ -21,7 +21,7 @@ labels are ``gen_ai.request.model``/``llm.engine``.
 Beside vLLM's own logger (``add`` mode) that code need not run twice: vLLM's logger records
 every one of these series into prometheus_client's registry anyway, so after
 :meth:`VllmSeries.read_from` the instruments read them there at collection time
-(:mod:`~otel_llm.integrations.vllm.registry_reader`), and nothing here runs per engine step.
+(:mod:`~otel_llm.integrations.vllm.series.registry_reader`), and nothing here runs per engine step.
 Where vLLM's logger is not built (``replace`` mode), or where the API servers share the
 scheduler gauges, vLLM's code runs here, on :attr:`VllmSeries.logger`.
 """
@@ -34,10 +34,10 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 from opentelemetry.metrics import Observation
 from opentelemetry.sdk.metrics.view import View
 
-from otel_llm.integrations.vllm import series_instruments
-from otel_llm.integrations.vllm.families import Family
-from otel_llm.integrations.vllm.recording_logger import build_logger
-from otel_llm.integrations.vllm.registry_reader import RegistryReader
+from otel_llm.integrations.vllm.series import series_instruments
+from otel_llm.integrations.vllm.series.families import Family
+from otel_llm.integrations.vllm.series.recording_logger import build_logger
+from otel_llm.integrations.vllm.series.registry_reader import RegistryReader
 
 __all__ = ["VllmSeries"]
 
@@ -100,7 +100,7 @@ class VllmSeries:
 
     def read(self, family: Family) -> Iterator[Observation]:
         """The observations of ``family`` as vLLM's logger holds them in :attr:`source`
-        (:meth:`RegistryReader.read <otel_llm.integrations.vllm.registry_reader.RegistryReader.read>`)."""
+        (:meth:`RegistryReader.read <otel_llm.integrations.vllm.series.registry_reader.RegistryReader.read>`)."""
         assert self.reader is not None
         return self.reader.read(family)
 

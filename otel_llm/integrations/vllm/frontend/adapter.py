@@ -1,11 +1,11 @@
 """The vLLM adapter: vLLM's ``SchedulerStats`` and ``IterationStats``, per engine step, handed to
 the core telemetry (one :class:`~otel_llm.core.telemetry.EngineTelemetry` per engine index),
-and vLLM's own series beyond the core (:mod:`otel_llm.integrations.vllm.series`).
+and vLLM's own series beyond the core (:mod:`otel_llm.integrations.vllm.series.series`).
 
 What it records and how is decided once, at start (:mod:`.plan`); each engine step is then kept
-as a :class:`~otel_llm.integrations.vllm.translate.VllmStep` by that engine's telemetry and
+as a :class:`~otel_llm.integrations.vllm.frontend.step_translator.VllmStep` by that engine's telemetry and
 translated with the steps kept beside it (:mod:`.translate`). Independent of vLLM's base
-classes, so it is testable without vLLM; :mod:`otel_llm.integrations.vllm.stat_logger` is the
+classes, so it is testable without vLLM; :mod:`otel_llm.integrations.vllm.frontend.stat_logger` is the
 shell vLLM loads.
 """
 
@@ -22,12 +22,12 @@ from typing import Any, Iterable, Optional
 from otel_llm.catalogue import drops
 from otel_llm.catalogue.metrics import METRICS
 from otel_llm.core.telemetry import EngineTelemetry
-from otel_llm.integrations.vllm import attribution, traces
-from otel_llm.integrations.vllm import deep_hook as vllm_deep_hook
-from otel_llm.integrations.vllm.enums import FINISH_REASONS
-from otel_llm.integrations.vllm.fields import FieldReader
+from otel_llm.integrations.vllm.frontend import attribution, traces
+from otel_llm.integrations.vllm.frontend import deep_hook as vllm_deep_hook
+from otel_llm.integrations.vllm.frontend.step_translator import StepTranslator, VllmStep
 from otel_llm.integrations.vllm.plan import make_plan, read_step_series
-from otel_llm.integrations.vllm.translate import StepTranslator, VllmStep
+from otel_llm.integrations.vllm.translation.enums import FINISH_REASONS
+from otel_llm.integrations.vllm.translation.fields import FieldReader
 
 _log = logging.getLogger("otel_llm.integrations.vllm")  # one logger for the vLLM adapter, whichever module logs
 
@@ -112,7 +112,7 @@ class VllmAdapter:
         return self.plan.replacing
 
     def _bind_series(self) -> None:
-        from otel_llm.integrations.vllm.series_instruments import SeriesView
+        from otel_llm.integrations.vllm.series.series_instruments import SeriesView
 
         provider = self.handle.meter_provider
         if provider is None:  # OTEL_SDK_DISABLED
@@ -268,7 +268,7 @@ def _shared_gauges(vllm_config: Any, series: Any, telemetry: dict[int, Any]) -> 
     """With several API servers, the scheduler gauges reported once per engine
     (:mod:`.gauges`); None with one, or when they cannot be shared."""
     try:
-        from otel_llm.integrations.vllm.gauges import share
+        from otel_llm.integrations.vllm.frontend.gauges import share
 
         return share(vllm_config, series, telemetry)
     except Exception:  # noqa: BLE001 - sharing is optional: per-process gauges stay

@@ -26,13 +26,17 @@ import time
 from typing import Any, Callable, Optional
 
 from otel_llm.events import CAUSE_UNKNOWN, EventType, RequestEvent, StepStats
-from otel_llm.integrations.vllm.cause_channel import CauseRecord
-from otel_llm.integrations.vllm.enums import PREEMPTED as _PREEMPTED
-from otel_llm.integrations.vllm.enums import QUEUED as _QUEUED
-from otel_llm.integrations.vllm.enums import SCHEDULED as _SCHEDULED
-from otel_llm.integrations.vllm.enums import finish_reason
-from otel_llm.integrations.vllm.fields import FieldReader
-from otel_llm.integrations.vllm.translate import DEFAULT_PREEMPTION_REASON, SCHEDULER_FIELDS, scheduler_gauges
+from otel_llm.integrations.vllm.channels.cause_channel import CauseRecord
+from otel_llm.integrations.vllm.translation.enums import PREEMPTED as _PREEMPTED
+from otel_llm.integrations.vllm.translation.enums import QUEUED as _QUEUED
+from otel_llm.integrations.vllm.translation.enums import SCHEDULED as _SCHEDULED
+from otel_llm.integrations.vllm.translation.enums import finish_reason
+from otel_llm.integrations.vllm.translation.fields import FieldReader
+from otel_llm.integrations.vllm.translation.translate import (
+    DEFAULT_PREEMPTION_REASON,
+    SCHEDULER_FIELDS,
+    scheduler_gauges,
+)
 
 MAX_KNOWN = 65_536  # requests given and not yet seen finishing; the oldest forgotten past it
 _RUNNING, _WAITING, _USAGE = (f.vllm for f in SCHEDULER_FIELDS)  # SchedulerStats' fields, as decoded

@@ -18,8 +18,8 @@ import threading
 from typing import Optional
 
 from otel_llm.events import CAUSE_UNKNOWN
-from otel_llm.integrations.vllm import traces
-from otel_llm.integrations.vllm.cause_channel import Receiver, folder
+from otel_llm.integrations.vllm.channels.cause_channel import Receiver, folder
+from otel_llm.integrations.vllm.frontend import traces
 from otel_llm.summary import PreemptionCause
 
 _log = logging.getLogger("otel_llm.integrations.vllm")  # one logger for the vLLM adapter, whichever module logs

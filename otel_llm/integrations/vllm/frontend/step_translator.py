@@ -1,12 +1,9 @@
-"""vLLM's stats translated into the core telemetry: ``SchedulerStats`` and ``IterationStats`` into
+"""The stat-logger path's translation (vLLM's Python frontend): the engine steps a stat logger kept
+(:class:`VllmStep`), handed in a row to one engine's :class:`StepTranslator`
+(``EngineTelemetry.translate_steps_with``): their ``SchedulerStats`` and ``IterationStats`` as
 :class:`~otel_llm.events.StepStats` and per-iteration observations, each ``FinishedRequestStats``
-into a :class:`~otel_llm.summary.RequestSummary`. Which field of vLLM's feeds which of ours is a
-table (:data:`FINISHED_FIELDS`, :data:`ITERATION_COUNTS`, ...), read through
-:class:`~otel_llm.integrations.vllm.fields.FieldReader`: a field gone degrades the metric the
-table names, with one warning.
-
-The adapter keeps each engine step as a :class:`VllmStep`; the telemetry hands the steps kept
-in a row to one engine's :class:`StepTranslator` (``EngineTelemetry.translate_steps_with``).
+as a :class:`~otel_llm.summary.RequestSummary`, with what the deep hook saw of the request, through
+the tables of :mod:`otel_llm.integrations.vllm.translation.translate`.
 """
 
 from __future__ import annotations
@@ -15,17 +12,23 @@ import dataclasses
 import logging
 import time
 from collections import Counter
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from otel_llm.catalogue import drops
 from otel_llm.core.telemetry import EngineTelemetry
 from otel_llm.events import StepStats
-from otel_llm.integrations.vllm import attribution
-from otel_llm.integrations.vllm.fields import MISSING, FieldReader
-from otel_llm.integrations.vllm.traces import EndedRequest, RequestTrace, trace_of
+from otel_llm.integrations.vllm.frontend import attribution
+from otel_llm.integrations.vllm.frontend.traces import EndedRequest, RequestTrace, trace_of
+from otel_llm.integrations.vllm.translation.fields import MISSING, FieldReader
+from otel_llm.integrations.vllm.translation.translate import (
+    DEFAULT_PREEMPTION_REASON,
+    FINISHED_COUNTS,
+    FINISHED_DURATIONS,
+    ITERATION_COUNTS,
+    ITERATION_LATENCIES,
+    scheduler_gauges,
+)
 from otel_llm.summary import ENGINE_DEAD, SHUTDOWN, PreemptionCause, RequestSummary
-
-DEFAULT_PREEMPTION_REASON = "kv_cache_full"  # vLLM preempts for KV cache space only
 
 _log = logging.getLogger("otel_llm.integrations.vllm")  # one logger for the vLLM adapter, whichever module logs
 _told_unknown: list[bool] = []  # the one warning that, without the deep hook, causes are unknown
@@ -40,60 +43,6 @@ class VllmStep:
     mm_cache_stats: Any
     # time.time() - time.monotonic() when it came: vLLM's wall-clock times onto the engine clock.
     wall_offset: float
-
-
-class Field(NamedTuple):
-    ours: str  # the RequestSummary field, or record_iteration / StepStats argument
-    vllm: str  # the attribute of vLLM's stats object
-    metric: str  # what is not recorded without it (named in the warning)
-
-
-# FinishedRequestStats -> RequestSummary: durations (seconds, as given) and counts (ints).
-FINISHED_DURATIONS = (
-    Field("queue_time", "queued_time", "vllm:request_queue_time_seconds"),
-    Field("prefill_time", "prefill_time", "vllm:request_prefill_time_seconds"),
-    Field("decode_time", "decode_time", "vllm:request_decode_time_seconds"),
-    Field("inference_time", "inference_time", "vllm:request_inference_time_seconds"),
-    Field("time_per_output_token", "mean_time_per_output_token", "vllm:request_time_per_output_token_seconds"),
-)
-FINISHED_COUNTS = (
-    Field("prompt_tokens", "num_prompt_tokens", "vllm:request_prompt_tokens"),
-    Field("generation_tokens", "num_generation_tokens", "vllm:request_generation_tokens"),
-)
-# IterationStats -> EngineTelemetry.record_iteration: per-step latencies and counts.
-ITERATION_LATENCIES = (
-    Field("ttfts", "time_to_first_tokens_iter", "vllm:time_to_first_token_seconds"),
-    Field("itls", "inter_token_latencies_iter", "vllm:inter_token_latency_seconds"),
-)
-ITERATION_COUNTS = (
-    Field("prompt_tokens", "num_prompt_tokens", "vllm:prompt_tokens"),
-    Field("generation_tokens", "num_generation_tokens", "vllm:generation_tokens"),
-    Field("num_preemptions", "num_preempted_reqs", "vllm:num_preemptions"),
-)
-# SchedulerStats -> StepStats (vLLM's waiting gauge counts the deferred, "skipped", ones too).
-SCHEDULER_FIELDS = (
-    Field("num_running", "num_running_reqs", "vllm:num_requests_running"),
-    Field("num_waiting", "num_waiting_reqs", "vllm:num_requests_waiting"),
-    Field("kv_cache_usage", "kv_cache_usage", "vllm:kv_cache_usage_perc"),
-)
-
-
-def scheduler_gauges(reader: FieldReader, sched: Any, last: tuple[int, int, float]) -> tuple[int, int, float]:
-    """vLLM's ``SchedulerStats`` as (running, waiting, KV cache usage), for either path: waiting
-    counts the deferred ("skipped") requests too, as vLLM's gauge does; a field gone keeps its
-    ``last`` value (said once through ``reader``)."""
-    running, waiting, usage = last
-    run_f, wait_f, usage_f = SCHEDULER_FIELDS
-    v = reader.number(sched, run_f.vllm, run_f.metric)
-    running = int(v) if v is not None else running
-    w = reader.number(sched, wait_f.vllm, wait_f.metric)
-    skipped = getattr(sched, "num_skipped_waiting_reqs", 0)
-    if type(skipped) is not int:
-        skipped = 0
-    waiting = int(w) + skipped if w is not None else waiting
-    u = reader.number(sched, usage_f.vllm, usage_f.metric)
-    usage = float(u) if u is not None else usage
-    return running, waiting, usage
 
 
 @dataclasses.dataclass(frozen=True)
