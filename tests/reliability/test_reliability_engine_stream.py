@@ -178,6 +178,18 @@ def test_flush_waits_for_the_backlog_or_gives_up_at_its_timeout(folder: str, mon
     sender.close()
 
 
+def test_flush_says_so_when_the_consumer_goes_away_with_the_backlog(
+    folder: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    peer, sender = _stalled(folder, monkeypatch, pending=1 << 20)
+    for i in range(40):
+        sender.send(stream_channel.frame(OUTPUTS, bytes([i]) * 2000))
+    assert sender.pending_bytes > 0 and sender.lost_total == 0
+    peer.close()  # the consumer's end goes: the socket turns writable, the send fails
+    assert not sender.flush(30)
+    assert (sender.connected, sender.pending_bytes, sender.lost_total) == (False, 0, 1)
+
+
 def _read_until(peer: socket.socket, count: int) -> list[tuple[bytes, bytes]]:
     """``count`` frames, read blocking."""
     peer.setblocking(True)

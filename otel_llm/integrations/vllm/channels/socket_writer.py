@@ -74,7 +74,8 @@ class SocketWriter:
         return True
 
     def flush(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds for the backlog to be sent; True when it was."""
+        """Wait up to ``timeout`` seconds for the backlog to be sent; True when it was (False when
+        the reader went away meanwhile: the backlog is lost with it, counted)."""
         deadline = time.monotonic() + timeout
         while self._pending and self._peer is not None:
             left = deadline - time.monotonic()
@@ -85,7 +86,7 @@ class SocketWriter:
             except (OSError, ValueError):
                 break
             self._drain(self._peer)
-        return not self._pending
+        return not self._pending and self._peer is not None
 
     def _lose(self) -> bool:
         self.lost += 1

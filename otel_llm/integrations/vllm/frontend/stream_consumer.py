@@ -58,10 +58,10 @@ POLL_S = 0.5  # how often the thread looks whether it should stop, when nothing 
 # the first, instead of each after the engine's work has evicted them. Each read takes all that
 # waits; meanwhile the engine core's socket buffer holds what it sends (SEND_BUFFER asked for,
 # 416 KiB under a stock net.core.wmem_max), then its backlog. A read of BUSY_READ bytes or more
-# means the engines send fast enough to fill that buffer within the long gap: the next waits only
-# BUSY_GAP_S (the long gap would cap an engine at about its socket buffer per gap).
+# means the engines send fast enough to fill that buffer within the gap: the next read follows at
+# once (a gap would cap an engine at about its socket buffer per gap plus the time to record it),
+# and the frames are large enough that the cold start of each read costs little per output.
 READ_GAP_S = 0.05
-BUSY_GAP_S = 0.005
 BUSY_READ = 64 << 10
 READ_SIZE = 1 << 20
 # An abort ends its request once no output made before it can still be on its way: at the first
@@ -134,8 +134,8 @@ class StreamConsumer:
                         else:
                             read = max(read, self._read(peer))
                     self._settle(time.monotonic() - ABORT_SETTLE_S)
-                if ready:
-                    self._stop.wait(BUSY_GAP_S if read >= BUSY_READ else READ_GAP_S)
+                if ready and read < BUSY_READ:
+                    self._stop.wait(READ_GAP_S)
         except Exception:  # noqa: BLE001 - never into vLLM: the consumer stops, vLLM serves on
             _log.exception("otel-llm engine stream: the consumer failed and stops recording (reported once)")
 
