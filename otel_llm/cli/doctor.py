@@ -143,17 +143,19 @@ def _transformers_range(installed: str) -> str:
     )
 
 
-def tenant_reach(config: TelemetryConfig, entry_points: list[str]) -> tuple[str, list[str]]:
-    """The line on the tenant source, and the entry points here (``entry_points``) it does not
-    reach, which refuse it at start-up (otel_llm.config.tenants.SOURCES_BY_ENTRY_POINT)."""
+def tenant_reach(config: TelemetryConfig, entry_points: list[str]) -> tuple[str, bool]:
+    """The line on the tenant source, which of the entry points here (``entry_points``) it reaches
+    and which refuse it at start-up (otel_llm.config.tenants.SOURCES_BY_ENTRY_POINT); True when
+    none here takes it (an engine installed beside the one served, transformers under vLLM say,
+    that refuses it fails nothing)."""
     source = config.tenant_source
     if source is None:
-        return "tenant: none (OTEL_LLM_TENANT unset: no tenant label)", []
+        return "tenant: none (OTEL_LLM_TENANT unset: no tenant label)", False
     refused = [e for e in entry_points if source.kind not in SOURCES_BY_ENTRY_POINT[e]]
     reach = ", ".join(e for e in entry_points if e not in refused) or "none of the entry points here"
     why = "; ".join(f"{e} hands over {', '.join(SOURCES_BY_ENTRY_POINT[e]) or 'no tenant source yet'}" for e in refused)
     line = f"tenant {source} (at most {config.tenant_max_values} values): reaches {reach}"
-    return line + (f"; refused by {why}" if refused else ""), refused
+    return line + (f"; refused by {why}" if refused else ""), len(refused) == len(entry_points)
 
 
 def _otlp_targets(config: TelemetryConfig, environ: Mapping[str, str], signals: list[str]) -> dict[str, list[str]]:
@@ -224,7 +226,7 @@ def doctor(out: TextIO, environ: Optional[Mapping[str, str]] = None) -> int:
     # vLLM's two frontends: its Python frontend ("vllm"), and the engine core's stream under its Rust frontend.
     installed = (("vllm", vllm_version), ("vllm-engine-core", vllm_version), ("transformers", transformers_version))
     engines = [name for name, v in installed if v is not None]
-    tenant_line, tenant_refused = tenant_reach(config, engines or ["engine_stub"])
+    tenant_line, tenant_unreached = tenant_reach(config, engines or ["engine_stub"])
     print(f"  {tenant_line}", file=out)
     if "prometheus" in metrics:
         from otel_llm.export.setup import DEFAULT_PROMETHEUS_HOST, DEFAULT_PROMETHEUS_PORT
@@ -246,7 +248,7 @@ def doctor(out: TextIO, environ: Optional[Mapping[str, str]] = None) -> int:
     failures = [p.name.strip() for p in parts if p.status == "FAIL"] + [
         f"OTLP endpoint of the {signal}" for signal in unreachable
     ]
-    failures += ["tenant source"] if tenant_refused else []
+    failures += ["tenant source"] if tenant_unreached else []
     print(
         f"\n{'not attached or not reachable: ' + ', '.join(failures) if failures else 'everything asked for attaches'}",
         file=out,

@@ -108,3 +108,20 @@ def test_python_dash_m_otel_llm_doctor() -> None:
         done.stdout.startswith("otel-llm doctor: otel-llm ")
         and "Prometheus endpoint http://127.0.0.1:9464" in done.stdout
     )
+
+
+def test_a_tenant_source_one_engine_here_takes_fails_nothing() -> None:
+    """vLLM's environment has transformers installed too, which takes no tenant source: the source
+    reaches vLLM's frontends, and the doctor passes; one that no engine here takes fails it."""
+    from otel_llm.cli.doctor import tenant_reach
+    from otel_llm.config.settings import TelemetryConfig
+
+    engines = ["vllm", "vllm-engine-core", "transformers"]
+    line, unreached = tenant_reach(TelemetryConfig(tenant="priority"), engines)
+    assert not unreached
+    assert line == (
+        "tenant priority (at most 20 values): reaches vllm, vllm-engine-core; refused by transformers hands over "
+        "no tenant source yet"
+    )
+    _, unreached = tenant_reach(TelemetryConfig(tenant="header:x-team"), engines)
+    assert unreached
