@@ -91,6 +91,7 @@ def test_each_class_has_its_own_preemption_histogram_summing_to_vllms(run: Run) 
     sums = _by_tenant(run.ours, "vllm:request_num_preemptions_sum")
     counts = _by_tenant(run.ours, "vllm:request_num_preemptions_count")
     assert {k: v for k, v in sums.items() if v} == dict(per_class)
-    assert counts == {str(c): LOAD.requests / CLASSES for c in range(CLASSES)}
+    # (Beside them, the empty series made at start, as vLLM makes its own, count nothing.)
+    assert {k: v for k, v in counts.items() if v} == {str(c): LOAD.requests / CLASSES for c in range(CLASSES)}
     for name in ("vllm:request_num_preemptions_sum", "vllm:request_num_preemptions_count"):
         assert _total(run.ours, name) == _total(run.theirs, name), name
