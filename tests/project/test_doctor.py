@@ -111,8 +111,8 @@ def test_python_dash_m_otel_llm_doctor() -> None:
 
 
 def test_a_tenant_source_one_engine_here_takes_fails_nothing() -> None:
-    """vLLM's environment has transformers installed too, which takes no tenant source: the source
-    reaches vLLM's frontends, and the doctor passes; one that no engine here takes fails it."""
+    """vLLM's environment has transformers installed too, which takes the model only: a priority
+    source reaches vLLM's frontends, and the doctor passes; one that no engine here takes fails it."""
     from otel_llm.cli.doctor import tenant_reach
     from otel_llm.config.settings import TelemetryConfig
 
@@ -120,8 +120,7 @@ def test_a_tenant_source_one_engine_here_takes_fails_nothing() -> None:
     line, unreached = tenant_reach(TelemetryConfig(tenant="priority"), engines)
     assert not unreached
     assert line == (
-        "tenant priority (at most 20 values): reaches vllm, vllm-engine-core; refused by transformers hands over "
-        "no tenant source yet"
+        "tenant priority (at most 20 values): reaches vllm, vllm-engine-core; refused by transformers hands over model"
     )
     _, unreached = tenant_reach(TelemetryConfig(tenant="header:x-team"), engines)
     assert unreached

@@ -100,27 +100,30 @@ def test_enough_kv_cache_no_eviction(model: Any, engine_truth: EngineTruth, inst
     assert not math.isnan(m.point("kv_cache_usage_perc").value)
 
 
-def test_a_tenant_source_is_refused_with_one_warning(model: Any, caplog: Any) -> None:
-    """transformers' entry point hands over no tenant source yet (docs/tenants.md): the setting is
-    refused once, the telemetry runs without a tenant label."""
+def test_a_tenant_source_is_the_model_or_refused_with_one_warning(model: Any, caplog: Any) -> None:
+    """transformers' entry point hands over the model only (docs/tenants.md): with
+    ``OTEL_LLM_TENANT=model`` each request's series carry its model; any other source is refused
+    once, and the telemetry runs without a tenant label."""
     import dataclasses
     import logging
 
     from tests.transformers.conftest import CONFIG, instrument
 
     caplog.set_level(logging.WARNING)
-    found = instrument(dataclasses.replace(CONFIG, tenant="priority"))
-    try:
-        run(model)
-        m = found.metrics()
-        assert m.counter("request_success") == NUM_REQUESTS
-        assert all("llm.tenant" not in p.attributes for points in m.values() for p in points)
-        refusals = [r.getMessage() for r in caplog.records if "OTEL_LLM_TENANT" in r.getMessage()]
-        assert refusals == [
-            "otel_llm: OTEL_LLM_TENANT=priority does not reach transformers, which hands over no tenant source: "
-            "no tenant label on any series"
-        ]
-    finally:
-        found.instrumentor.uninstrument()
-        found.meter_provider.shutdown()
-        found.tracer_provider.shutdown()
+    for tenant in ("model", "priority"):
+        found = instrument(dataclasses.replace(CONFIG, tenant=tenant))
+        try:
+            run(model)
+            m = found.metrics()
+            assert m.counter("request_success") == NUM_REQUESTS
+            tenants = {p.attributes.get("llm.tenant") for p in m.points("request_success")}
+            assert tenants == ({CONFIG.model_name} if tenant == "model" else {None}), tenant
+        finally:
+            found.instrumentor.uninstrument()
+            found.meter_provider.shutdown()
+            found.tracer_provider.shutdown()
+    refusals = [r.getMessage() for r in caplog.records if "OTEL_LLM_TENANT" in r.getMessage()]
+    assert refusals == [
+        "otel_llm: OTEL_LLM_TENANT=priority does not reach transformers, which hands over model: "
+        "no tenant label on any series"
+    ]
