@@ -383,9 +383,18 @@ class OtlpSink:
         with self.lock:
             self.logs.append(request)
 
-    def spans(self) -> list[Any]:
+    def spans(self, service: Optional[str] = None) -> list[Any]:
+        """Every span received; only those of ``service`` (its resource's ``service.name``) if given."""
         with self.lock:
-            return [s for req in self.traces for rs in req.resource_spans for ss in rs.scope_spans for s in ss.spans]
+            return [
+                s
+                for req in self.traces
+                for rs in req.resource_spans
+                if service is None
+                or any(a.key == "service.name" and a.value.string_value == service for a in rs.resource.attributes)
+                for ss in rs.scope_spans
+                for s in ss.spans
+            ]
 
     def metric_points(self, name: str) -> list[tuple[Any, Any]]:
         """(metric, data point) pairs for every received metric named ``name``, in arrival order."""

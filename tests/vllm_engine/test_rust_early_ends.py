@@ -77,17 +77,7 @@ def _client_id(span: Any) -> str:
 
 
 def _spans(sink: Any) -> dict[str, Any]:
-    with sink.lock:
-        requests = list(sink.traces)
-    return {
-        _client_id(span): span
-        for req in requests
-        for rs in req.resource_spans
-        if any(a.key == "service.name" and a.value.string_value == SERVICE for a in rs.resource.attributes)
-        for ss in rs.scope_spans
-        for span in ss.spans
-        if span.name == "llm_request"
-    }
+    return {_client_id(s): s for s in sink.spans(SERVICE) if s.name == "llm_request"}
 
 
 async def _drop_streams(url: str, cores: list[int], count: int) -> list[str]:

@@ -59,17 +59,7 @@ class RustRun:
 
 
 def _our_spans(sink: Any) -> dict[str, Any]:
-    with sink.lock:
-        requests = list(sink.traces)
-    return {
-        span_attributes(span)["gen_ai.request.id"]: span
-        for req in requests
-        for rs in req.resource_spans
-        if any(a.key == "service.name" and a.value.string_value == SERVICE for a in rs.resource.attributes)
-        for ss in rs.scope_spans
-        for span in ss.spans
-        if span.name == "llm_request"
-    }
+    return {span_attributes(s)["gen_ai.request.id"]: s for s in sink.spans(SERVICE) if s.name == "llm_request"}
 
 
 def _total(samples: Samples, name: str) -> float:
