@@ -16,7 +16,7 @@ from otel_llm.config.settings import TelemetryConfig, from_environment
 from otel_llm.integrations.vllm import handle as shared_handle
 from otel_llm.integrations.vllm.frontend import replace as vllm_replace
 from otel_llm.integrations.vllm.translation.fields import FieldReader
-from otel_llm.integrations.vllm.translation.translate import DEFAULT_PREEMPTION_REASON
+from otel_llm.integrations.vllm.translation.translate import BUCKET_FAMILIES, DEFAULT_PREEMPTION_REASON, custom_buckets
 from otel_llm.recording.in_process import InProcessRecorder
 
 _log = logging.getLogger("otel_llm.integrations.vllm")  # one logger for the vLLM adapter, whichever module logs
@@ -128,34 +128,6 @@ def _vllm_facing_reader(series: Any) -> list[Any]:
 
     documentation = {name: f.documentation for name, f in series.families.items()}  # their HELP text
     return [VllmFacingReader(get_prometheus_registry(), documentation)]
-
-
-# vLLM's histogram bucket families (``--custom-histogram-buckets`` keys) and the series of each
-# that otel-llm records, as vLLM's PrometheusStatLogger assigns them.
-BUCKET_FAMILIES: dict[str, tuple[str, ...]] = {
-    "request_latency": (
-        "vllm:e2e_request_latency_seconds",
-        "vllm:request_queue_time_seconds",
-        "vllm:request_inference_time_seconds",
-        "vllm:request_prefill_time_seconds",
-        "vllm:request_decode_time_seconds",
-    ),
-    "time_to_first_token": ("vllm:time_to_first_token_seconds",),
-    "inter_token_latency": ("vllm:inter_token_latency_seconds", "vllm:request_time_per_output_token_seconds"),
-    "iteration_tokens": ("vllm:iteration_tokens_total",),
-    "request_num_preemptions": ("vllm:request_num_preemptions",),
-    "request_tokens": (
-        "vllm:request_prompt_tokens",
-        "vllm:request_generation_tokens",
-        "vllm:request_params_max_tokens",
-    ),
-}
-
-
-def custom_buckets(vllm_config: Any) -> dict[str, list[float]]:
-    """vLLM's ``--custom-histogram-buckets`` (family -> boundaries), as vLLM validated them."""
-    custom = getattr(getattr(vllm_config, "observability_config", None), "custom_histogram_buckets", None)
-    return {str(k): [float(b) for b in v] for k, v in custom.items()} if isinstance(custom, dict) else {}
 
 
 def with_vllm_buckets(config: TelemetryConfig, custom: dict[str, list[float]]) -> TelemetryConfig:

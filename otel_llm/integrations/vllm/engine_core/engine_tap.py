@@ -34,6 +34,7 @@ import time
 from typing import Any, Callable, Optional
 
 from otel_llm.integrations.vllm.channels import stream_channel
+from otel_llm.integrations.vllm.translation.translate import custom_buckets
 
 _log = logging.getLogger("otel_llm.integrations.vllm")
 
@@ -228,8 +229,6 @@ def _unfinished(core: Any, request_ids: Any) -> list[str]:
 def _hello(core: Any, engine_index: Any) -> bytes:
     """Who this engine core is: its index, served model name, ``max_model_len`` and vLLM's custom
     histogram buckets (the settings its telemetry takes from vLLM, read where vLLM's config is)."""
-    from otel_llm.integrations.vllm.plan import custom_buckets
-
     hello: dict[str, Any] = {"engine": 0, "model": "", "max_model_len": None, "custom_histogram_buckets": {}}
     try:
         hello["custom_histogram_buckets"] = custom_buckets(core.vllm_config)

@@ -3,7 +3,8 @@
 (per-iteration observations) and ``FinishedRequestStats`` (a request's summary), as tables
 (:data:`FINISHED_DURATIONS`, :data:`ITERATION_COUNTS`, ...) read through
 :class:`~otel_llm.integrations.vllm.translation.fields.FieldReader`: a field gone degrades the
-metric the table names, with one warning. The stat-logger path applies them in
+metric the table names, with one warning; and vLLM's histogram bucket families
+(:data:`BUCKET_FAMILIES`, ``--custom-histogram-buckets``). The stat-logger path applies them in
 :mod:`~otel_llm.integrations.vllm.frontend.step_translator`, the engine-core stream in
 :mod:`.stream_translate`.
 """
@@ -69,3 +70,31 @@ def scheduler_gauges(reader: FieldReader, sched: Any, last: tuple[int, int, floa
     u = reader.number(sched, usage_f.vllm, usage_f.metric)
     usage = float(u) if u is not None else usage
     return running, waiting, usage
+
+
+# vLLM's histogram bucket families (``--custom-histogram-buckets`` keys) and the series of each
+# that otel-llm records, as vLLM's PrometheusStatLogger assigns them.
+BUCKET_FAMILIES: dict[str, tuple[str, ...]] = {
+    "request_latency": (
+        "vllm:e2e_request_latency_seconds",
+        "vllm:request_queue_time_seconds",
+        "vllm:request_inference_time_seconds",
+        "vllm:request_prefill_time_seconds",
+        "vllm:request_decode_time_seconds",
+    ),
+    "time_to_first_token": ("vllm:time_to_first_token_seconds",),
+    "inter_token_latency": ("vllm:inter_token_latency_seconds", "vllm:request_time_per_output_token_seconds"),
+    "iteration_tokens": ("vllm:iteration_tokens_total",),
+    "request_num_preemptions": ("vllm:request_num_preemptions",),
+    "request_tokens": (
+        "vllm:request_prompt_tokens",
+        "vllm:request_generation_tokens",
+        "vllm:request_params_max_tokens",
+    ),
+}
+
+
+def custom_buckets(vllm_config: Any) -> dict[str, list[float]]:
+    """vLLM's ``--custom-histogram-buckets`` (family -> boundaries), as vLLM validated them."""
+    custom = getattr(getattr(vllm_config, "observability_config", None), "custom_histogram_buckets", None)
+    return {str(k): [float(b) for b in v] for k, v in custom.items()} if isinstance(custom, dict) else {}
