@@ -197,13 +197,14 @@ class StreamTranslator:
                     self._drain_causes()
                     drained = True
                 self._output(out, running, now, events)
-        if (eco.finished_requests or self._aborts) and not drained:
+        if eco.finished_requests and not drained:
             self._drain_causes()
+            drained = True
         for rid in eco.finished_requests or ():
             if self._running.pop(str(rid), None) is not None:  # ended with no final output: aborted
                 events.append(RequestEvent(EventType.FINISHED, str(rid), now, finish_reason="abort"))
         if self._aborts:
-            self._end_aborted(now, events)
+            self._end_aborted(now, events, drained)
         self._publish(events, self._step(eco.scheduler_stats, now))
 
     def aborted(self, at: float, request_ids: list[str]) -> None:
@@ -218,16 +219,19 @@ class StreamTranslator:
     def settle(self, until: float) -> bool:
         """End the requests aborted at ``until`` or before: no output made before their abort is
         still on its way (the consumer's judgement, by how long ago that was). True when one ended."""
-        if not any(at <= until for at in self._aborts.values()):
-            return False
-        self._drain_causes()
         events: list[RequestEvent] = []
-        self._end_aborted(until, events)
-        self._publish(events, None)
+        self._end_aborted(until, events, drained=False)
+        if events:
+            self._publish(events, None)
         return bool(events)
 
-    def _end_aborted(self, until: float, events: list[RequestEvent]) -> None:
-        for rid, at in [(rid, at) for rid, at in self._aborts.items() if at <= until]:
+    def _end_aborted(self, until: float, events: list[RequestEvent], drained: bool) -> None:
+        """The FINISHED events of the requests aborted at ``until`` or before, the cause records
+        sent so far taken in first (``drained``: they already were)."""
+        due = [(rid, at) for rid, at in self._aborts.items() if at <= until]
+        if due and not drained:
+            self._drain_causes()
+        for rid, at in due:
             del self._aborts[rid]
             running = self._running.pop(rid, None)
             if running is not None:  # else finished by an output meanwhile, or never given
