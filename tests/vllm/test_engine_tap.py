@@ -201,12 +201,15 @@ def test_an_abort_raced_by_outputs_made_before_it_counts_them_all(tapped: Any) -
     engine.core.output_queue, real = held, engine.core.output_queue  # the output thread waits on `real`
     for _ in range(4):
         engine.step()
-    engine.core.abort_requests(["slow"])  # told at once; its 4 outputs are still held
-    while not held.empty():
-        real.put_nowait(held.get_nowait())
-    engine.core.output_queue = real
-    _run_until_finished(engine, 1)
-    engine.all_sent()
+    # The consumer held until every output is in its socket, so that the abort's settling time
+    # cannot run out first, however slow this machine is: the frames decide, not the clock.
+    with o.consumer._lock:
+        engine.core.abort_requests(["slow"])  # told at once; its 4 outputs are still held
+        while not held.empty():
+            real.put_nowait(held.get_nowait())
+        engine.core.output_queue = real
+        _run_until_finished(engine, 1)
+        engine.all_sent()
     wait_until(lambda: len(o.spans.get_finished_spans()) == 2, 30, what="both spans")
     spans = o.spans_by_id()
     assert spans["slow"].attributes["gen_ai.usage.output_tokens"] == 4
