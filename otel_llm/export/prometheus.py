@@ -12,6 +12,7 @@ thread that sleeps between requests (:mod:`otel_llm.export.prometheus_server`).
 
 from __future__ import annotations
 
+import copy
 import threading
 from typing import Any, Iterator
 
@@ -31,14 +32,22 @@ class _MergingRegistry(CollectorRegistry):
     """A registry that yields each family once: the readers of several MeterProviders served on
     one endpoint (one per engine, each with a resource of its own) each collect every family,
     and an exposition that repeats a family is invalid. Their series differ by the ``engine``
-    label; ``target_info`` then has one series per resource."""
+    label; ``target_info`` then has one series per resource. A family is merged into a copy: a
+    collector may yield the same family object at every collection (the exporter keeps its
+    ``target_info``), which would otherwise grow by the others' series at each scrape."""
 
     def collect(self) -> Iterator[Metric]:
         merged: dict[str, Metric] = {}
+        copied: set[str] = set()
         for family in super().collect():
             first = merged.setdefault(family.name, family)
-            if first is not family:
-                first.samples.extend(family.samples)
+            if first is family:
+                continue
+            if family.name not in copied:
+                copied.add(family.name)
+                first = merged[family.name] = copy.copy(first)
+                first.samples = list(first.samples)
+            first.samples.extend(family.samples)
         yield from merged.values()
 
 

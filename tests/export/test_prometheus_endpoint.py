@@ -483,6 +483,12 @@ def test_two_engines_of_their_own_identity_are_served_on_one_endpoint(clean_env)
                     ]
                 )
             handle.telemetry.flush()
+        for _ in range(2):  # each scrape merges the families afresh: nothing added to them at each
+            text, _ = _scrape(url)
+            assert [line.split(",")[0] for line in text.splitlines() if line.startswith("target_info{")] == [
+                'target_info{service_instance_id="serve-7-engine-0"',
+                'target_info{service_instance_id="serve-7-engine-1"',
+            ]
         body, _ = _scrape(url, OPENMETRICS)
         families = list(text_string_to_metric_families(body))
         names = [f.name for f in families]
