@@ -40,11 +40,17 @@ def span_attributes(span: Span) -> dict[str, Any]:
     return out
 
 
+def _instance(resource: Any) -> str:
+    values = [a.value.string_value for a in resource.attributes if a.key == "service.instance.id"]
+    return values[0] if values else ""
+
+
 class SpanReceiver(trace_service_pb2_grpc.TraceServiceServicer):
     """``with SpanReceiver() as receiver:`` serves OTLP/gRPC traces at ``receiver.endpoint``."""
 
     def __init__(self) -> None:
         self.spans: list[Span] = []
+        self.instances: list[str] = []  # each span's resource's service.instance.id ("" if none)
         self.metric_exports = 0  # OTLP/HTTP metric requests received
         self.port = 0
         self._changed = threading.Condition()
@@ -62,9 +68,15 @@ class SpanReceiver(trace_service_pb2_grpc.TraceServiceServicer):
         return f"http://{LOOPBACK}:{self._http.server_address[1]}"
 
     def Export(self, request: Any, context: Any) -> Any:  # the gRPC method's name
-        received = [span for rs in request.resource_spans for ss in rs.scope_spans for span in ss.spans]
+        received = [
+            (span, _instance(rs.resource))
+            for rs in request.resource_spans
+            for ss in rs.scope_spans
+            for span in ss.spans
+        ]
         with self._changed:
-            self.spans.extend(received)
+            self.spans.extend(span for span, _ in received)
+            self.instances.extend(instance for _, instance in received)
             self._changed.notify_all()
         return trace_service_pb2.ExportTraceServiceResponse()
 

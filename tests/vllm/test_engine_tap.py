@@ -30,7 +30,9 @@ class Engine:
     """vLLM's ``EngineCoreProc`` with its real request, abort and output-thread methods (wrapped by
     the tap) over a real scheduler; not started (no model, no input thread): the test steps it."""
 
-    def __init__(self, model_dir: str, num_blocks: int = 64, policy: str = "fcfs", batched_tokens: int = 256) -> None:
+    def __init__(
+        self, model_dir: str, num_blocks: int = 64, policy: str = "fcfs", batched_tokens: int = 256, index: int = 0
+    ) -> None:
         from vllm.v1.engine.core import EngineCoreProc
 
         scheduler = build_scheduler(
@@ -51,7 +53,7 @@ class Engine:
         self._frontend = threading.Thread(target=self._receive, daemon=True)
         self._frontend.start()
         self._thread = threading.Thread(
-            target=self.core.process_output_sockets, args=([self.frontend_path], None, 0), daemon=True
+            target=self.core.process_output_sockets, args=([self.frontend_path], None, index), daemon=True
         )
         self._thread.start()
         wait_until(lambda: engine_tap._state["tap"].hello is not None, 30, what="the output thread's start")

@@ -37,6 +37,12 @@ SEND_BUFFER = 4 << 20
 _HEADER = struct.Struct(">cI")
 
 
+def engine_socket(folder: str, engine: int) -> str:
+    """Where engine ``engine``'s own consumer listens, when it has a process of its own (a serve
+    with several local engines); else nothing is there and the engine core uses :data:`SOCKET_NAME`."""
+    return os.path.join(folder, f"{SOCKET_NAME}-{engine}")
+
+
 def frame(kind: bytes, payload: bytes) -> bytes:
     return _HEADER.pack(kind, len(payload)) + payload
 
@@ -60,15 +66,24 @@ def outputs_frame(buffers: Sequence[Any]) -> bytes:
 
 class Sender(SocketWriter):
     """The engine core's end (one thread at a time): whole frames, their losses told in a
-    :data:`LOST` frame."""
+    :data:`LOST` frame. Once its engine is known (:attr:`engine`), each connection goes to that
+    engine's own consumer if it has one (:func:`engine_socket`), else to the serve's."""
 
     def __init__(self, folder: str) -> None:
+        self._folder = folder
+        self.engine: int | None = None
         super().__init__(
             os.path.join(folder, SOCKET_NAME),
             send_buffer=SEND_BUFFER,
             max_pending=MAX_PENDING,
             lost_message=lambda n: json_frame(LOST, n),
         )
+
+    def _connect(self) -> socket.socket | None:
+        own = engine_socket(self._folder, self.engine) if self.engine is not None else None
+        # Gone once its process ended: the serve's own consumer takes the engine over.
+        self.address = own if own is not None and os.path.exists(own) else os.path.join(self._folder, SOCKET_NAME)
+        return super()._connect()
 
 
 class Connection:

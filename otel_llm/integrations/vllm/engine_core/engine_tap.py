@@ -189,6 +189,7 @@ def install(folder: str) -> bool:
     def process_output_sockets(self: Any, *args: Any, **kwargs: Any) -> Any:
         engine_index = kwargs["engine_index"] if "engine_index" in kwargs else args[-1]
         tap.hello = _hello(self, engine_index)
+        tap.sender.engine = _index(engine_index)
         return output_thread(self, *args, **kwargs)
 
     def send_msg_tracking_payload(socket: Any, buffers: Any) -> Any:
@@ -243,6 +244,13 @@ def _hello(core: Any, engine_index: Any) -> bytes:
     except Exception as exc:  # noqa: BLE001 - never into vLLM's output thread
         _warn_once("hello", f"reading the engine's index, model name, length and buckets failed ({exc!r})")
     return stream_channel.json_frame(stream_channel.HELLO, hello)
+
+
+def _index(engine_index: Any) -> Optional[int]:
+    try:
+        return int(engine_index)
+    except (TypeError, ValueError):
+        return None
 
 
 def _replace(owner: type, name: str, wrapper: Callable[..., Any]) -> None:

@@ -80,12 +80,31 @@ class _Engine:
 class StreamConsumer:
     """``StreamConsumer(folder).start()``; :meth:`close` at exit (registered with atexit).
     ``handle``: providers already built (a ``TelemetryHandle``) for every engine, one identity;
-    else ``setup_telemetry`` builds each engine's from the environment at its hello."""
+    else ``setup_telemetry`` builds each engine's from the environment at its hello.
 
-    def __init__(self, folder: str, handle: Any = None) -> None:
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind(os.path.join(folder, stream_channel.SOCKET_NAME))
-        self._listener.listen(64)
+    In an engine's own process (:mod:`.engine_worker`): ``listener``, that engine's socket, made
+    by the serve; ``serve_on``, a Prometheus endpoint that is not served (the serve asks it for
+    its families); ``instance_id``, the serve's ``service.instance.id``. In the serve: the
+    engines recorded in processes of their own (:meth:`add_worker`), served on its endpoint."""
+
+    def __init__(
+        self,
+        folder: str,
+        handle: Any = None,
+        *,
+        listener: Optional[socket.socket] = None,
+        serve_on: Any = None,
+        instance_id: Optional[str] = None,
+    ) -> None:
+        self.folder = folder
+        if listener is None:
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            listener.bind(os.path.join(folder, stream_channel.SOCKET_NAME))
+            listener.listen(64)
+        self._listener = listener
+        self._serve_on = serve_on
+        self._instance_id = instance_id
+        self._workers: list[Any] = []  # engine_workers.EngineWorker: the engines recorded elsewhere
         self._causes = cause_channel.Receiver(folder)
         self._cause_book: dict[tuple[str, int], cause_channel.CauseRecord] = {}
         self._uncredited: list[tuple[cause_channel.CauseRecord, int]] = []  # with the drains it waited
@@ -134,6 +153,8 @@ class StreamConsumer:
                         else:
                             read = max(read, self._read(peer))
                     self._settle(time.monotonic() - ABORT_SETTLE_S)
+                    for worker in self._workers:
+                        worker.check()
                 if ready and read < BUSY_READ:
                     self._stop.wait(READ_GAP_S)
         except Exception:  # noqa: BLE001 - never into vLLM: the consumer stops, vLLM serves on
@@ -302,8 +323,11 @@ class StreamConsumer:
             int(max_len) if max_len else None,
             hello.get("custom_histogram_buckets") or {},
         )
+        if self._instance_id is not None:  # the serve's, in an engine's own process
+            attributes = {**config.resource_attributes, "service.instance.id": self._instance_id}
+            config = dataclasses.replace(config, resource_attributes=attributes)
         config = resources.part_of_process(dataclasses.replace(config, engine=str(index)), f"engine-{index}")
-        serve_on = self._handles[0].prometheus if self._handles else None
+        serve_on = self._serve_on or (self._handles[0].prometheus if self._handles else None)
         if self._handles and serve_on is None:
             config = without_prometheus(config)  # the first engine's endpoint is not there: none tries again
         # The engine core sees no request headers: only its own tenant facts reach the telemetry.
@@ -317,7 +341,26 @@ class StreamConsumer:
         # Ours to shut down, after the requests in flight are ended (close), not before them.
         atexit.unregister(handle.shutdown)
         self._handles.append(handle)
+        if len(self._handles) == 1 and handle.prometheus is not None:
+            for worker in self._workers:
+                worker.serve_on(handle.prometheus.registry)
         return handle.telemetry
+
+    def add_worker(self, worker: Any) -> None:
+        """An engine recorded in a process of its own (``engine_workers.EngineWorker``): its
+        families served on this endpoint once there is one; told to end at :meth:`close`."""
+        with self._lock:
+            self._workers.append(worker)
+            endpoint = self._handles[0].prometheus if self._handles else None
+            if endpoint is not None:
+                worker.serve_on(endpoint.registry)
+
+    def warm(self) -> None:
+        """Load what decoding the first outputs needs (vLLM's classes) now, while the engine cores
+        load their model, rather than at their first outputs."""
+        with self._lock:
+            if self._decoder is None:
+                self._decoder = stream_translate.decoder(self._reader)
 
     def _forget(self, peer: socket.socket) -> Optional[_Engine]:
         """Close and drop a connection, the causes its requests need credited first; its engine."""
@@ -349,6 +392,10 @@ class StreamConsumer:
         """Stop; the requests still in flight end marked ``shutdown``; everything flushed."""
         self._stop.set()
         self._thread.join(timeout=2 * POLL_S)
+        for worker in self._workers:  # each ends its requests and flushes, all at once
+            worker.tell_close()
+        for worker in self._workers:
+            worker.wait_closed()
         with self._lock:
             for peer in list(self._connections):
                 self._read_rest(peer)
