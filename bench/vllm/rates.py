@@ -56,6 +56,8 @@ KEY = "vllm_stream_rates"
 STOCK_WMEM_MAX = 212_992  # net.core.wmem_max on a stock kernel: what a socket's send buffer is capped at
 TARGET_BATCH, TARGET_RATE, TARGET_CORES = 256, 300, 0.25  # one engine, nothing lost, at most this of a core
 DRAIN_S = 60.0  # an engine waits this long at most for the consumer to read its backlog after its last step
+CONSUMERS = ("one", "per-engine")  # one thread for every engine; each engine after the first in a process of its own
+BY_CONSUMERS = "by_consumers"
 KEPT_UP_S = 0.1  # a run is sustained when nothing was lost and the backlog was read within this of the last step
 
 
@@ -207,38 +209,85 @@ class SpanCount(SpanProcessor):
         return True
 
 
+def _finished_served(consumer: Any) -> int:
+    """Requests finished (not cut short) on the serve's endpoint, every engine's."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    if not consumer._handles or consumer._handles[0].prometheus is None:
+        return 0
+    text = consumer._handles[0].prometheus.render()[0].decode()
+    return int(
+        sum(
+            s.value
+            for f in text_string_to_metric_families(text)
+            if f.name == "vllm:request_success"
+            for s in f.samples
+            if s.name.endswith("_total") and s.labels.get("finished_reason") not in ("shutdown", "engine_dead")
+        )
+    )
+
+
+def _cpu_s(pid: int) -> float:
+    import psutil
+
+    times = psutil.Process(pid).cpu_times()
+    return float(times.user + times.system)
+
+
 def consumer_run(
-    engines: list[Any], played: list[dict[str, Any]], rate: float, sndbuf: int
+    engines: list[Any], played: list[dict[str, Any]], rate: float, sndbuf: int, consumers: str = "one"
 ) -> tuple[dict[str, Any], list[int], list[int]]:
     """One run: a fresh consumer, every engine of ``engines`` playing at ``rate``; its figures, and
-    the ns of each send with nothing waiting and with a backlog."""
+    the ns of each send with nothing waiting and with a backlog. ``consumers``: ``one`` thread for
+    every engine, or ``per-engine`` (each engine after the first in a process of its own, as a
+    serve with several local engines runs them; providers from the environment, one per engine)."""
     from otel_llm.config.settings import TelemetryConfig
     from otel_llm.export.setup import setup_telemetry
+    from otel_llm.integrations.vllm.frontend.engine_workers import start_workers
     from otel_llm.integrations.vllm.frontend.stream_consumer import StreamConsumer
 
     folder = tempfile.mkdtemp(prefix="bench-rates-")
     spans = SpanCount()
-    config = TelemetryConfig.from_env(defaults={"model_name": "bench"})
-    handle = setup_telemetry(config, extra_span_processors=[spans], port_taken="warn")
+    handle = None
+    if consumers == "one":
+        config = TelemetryConfig.from_env(defaults={"model_name": "bench"})
+        handle = setup_telemetry(config, extra_span_processors=[spans], port_taken="warn")
     consumer = StreamConsumer(folder, handle=handle).start()
+    if consumers == "per-engine":
+        start_workers(consumer, range(1, len(engines)))
+        assert all(w.wait_ready(60) for w in consumer._workers), "a worker did not start"
+    workers = [w.process.pid for w in consumer._workers]
     gc.collect()
+    expected = sum(p["finished"] for p in played)
     try:
         thread_clock = time.pthread_getcpuclockid(consumer._thread.ident)  # type: ignore[arg-type]
         collections0 = gc.get_stats()[2]["collections"]
         thread0, process0, wall0 = time.clock_gettime(thread_clock), time.process_time(), time.monotonic()
+        workers0 = [_cpu_s(pid) for pid in workers]
         for conn in engines:
             conn.send(("run", folder, rate, sndbuf))
         results = [conn.recv() for conn in engines]
         deadline = time.monotonic() + DRAIN_S
         while consumer._by_index and time.monotonic() < deadline:  # the goodbyes read (at most DRAIN_S)
             time.sleep(0.01)
+        if workers:  # each worker's share read: every finish counted, or (frames lost) a count that stays
+            lost = sum(r["lost_frames"] for r in results)
+            last = -1
+            while time.monotonic() < deadline:
+                counted = _finished_served(consumer)
+                if counted == expected or (lost and counted == last):
+                    break
+                last = counted
+                time.sleep(0.2)
         thread_s = time.clock_gettime(thread_clock) - thread0
         process_s, wall = time.process_time() - process0, time.monotonic() - wall0
+        workers_s = [_cpu_s(pid) - t0 for pid, t0 in zip(workers, workers0)]
         collections = gc.get_stats()[2]["collections"] - collections0
-        ended = spans.ended
+        ended = spans.ended if handle is not None else _finished_served(consumer)
     finally:
         consumer.close()
-        handle.shutdown()
+        if handle is not None:
+            handle.shutdown()
         shutil.rmtree(folder, ignore_errors=True)
     outputs, steps = sum(p["outputs"] for p in played), played[0]["steps"]
     elapsed = max(r["elapsed_s"] for r in results)
@@ -252,9 +301,16 @@ def consumer_run(
             "drain_s": max(r["drain_s"] for r in results),
             "finished_expected": sum(p["finished"] for p in played),
             "finished_recorded": ended,
+            "consumers": consumers,
             "consumer_thread_us_per_output": 1e6 * thread_s / outputs,
             "consumer_thread_cores": thread_s / wall,
-            "consumer_process_us_per_output": 1e6 * process_s / outputs,
+            "consumer_process_us_per_output": 1e6 * (process_s + sum(workers_s)) / outputs,
+            # Per recording process: the serve's (engine 0 and its exporters), then each worker's.
+            "consumer_cores_by_process": [process_s / wall, *(w / wall for w in workers_s)],
+            "consumer_us_per_own_output_by_process": [
+                1e6 * process_s / (played[0]["outputs"] if workers else outputs),
+                *(1e6 * t / p["outputs"] for t, p in zip(workers_s, played[1:])),
+            ],
             "full_gc_collections": collections,
             "copied_bytes_per_step": sum(r["copied_bytes"] for r in results) / (len(results) * steps),
             "send_idle": _percentiles([ns for r in results for ns in r["idle_ns"]]),
@@ -275,6 +331,7 @@ def run(
     sndbuf: int,
     traces: str,
     sender_against: Optional[str] = None,
+    consumers: str = "one",
 ) -> dict[str, Any]:
     os.environ.update({"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"})
     import logging
@@ -319,7 +376,7 @@ def run(
                     best = None
                     for rate in rates:
                         r, sent_idle, sent_behind = consumer_run(
-                            [conn for conn, _ in workers[:dp]], played[:dp], rate, sndbuf
+                            [conn for conn, _ in workers[:dp]], played[:dp], rate, sndbuf, consumers
                         )
                         idle += sent_idle
                         behind += sent_behind
@@ -434,6 +491,30 @@ def table_lines(r: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _kept(out: Path) -> dict[str, Any]:
+    """What ``out`` holds under :data:`KEY` (a comparison of arrangements is added to it)."""
+    import json
+
+    return dict(json.loads(out.read_text()).get(KEY) or {}) if out.exists() else {}
+
+
+def consumers_lines(r: dict[str, Any]) -> list[str]:
+    lines = []
+    for mode, result in r[BY_CONSUMERS].items():
+        lines.append(f"consumers: {mode}")
+        lines += [_run_line(run) + _by_process(run) for run in result["runs"]]
+        for key, best in result["highest_sustained"].items():
+            said = "none" if best is None else f"{best['steps_per_s']:.0f} steps/s, {best['outputs_per_s']:,.0f} out/s"
+            lines.append(f"   highest rate sustained, batch x DP {key}: {said}")
+    return lines
+
+
+def _by_process(r: dict[str, Any]) -> str:
+    cores = "/".join(f"{c:.2f}" for c in r["consumer_cores_by_process"])
+    us = "/".join(f"{u:.2f}" for u in r["consumer_us_per_own_output_by_process"])
+    return f"  by process: {cores} core, {us} µs/own output"
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.vllm.rates", description=__doc__.splitlines()[2])
     p.add_argument("--batches", type=int, nargs="+", default=[256, 1024], help="running requests a step")
@@ -445,8 +526,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument(
         "--sender-against", metavar="REV", help="also a hand-over's cost, this sender vs REV's (bench.vllm.sender_cost)"
     )
+    p.add_argument(
+        "--consumers",
+        nargs="+",
+        choices=CONSUMERS,
+        help="compare these arrangements (one thread for every engine, a process per engine after the first): "
+        f"put under {KEY}.{BY_CONSUMERS}, the rest of {KEY} kept",
+    )
     p.add_argument("--out", type=Path, default=RESULTS, help=f"JSON to update (key {KEY})")
     args = p.parse_args(argv)
+    if args.consumers:
+        return write_section(
+            KEY,
+            args.out,
+            lambda: (
+                _kept(args.out)
+                | {
+                    BY_CONSUMERS: {
+                        mode: run(args.batches, args.rates, args.dp, args.steps, args.sndbuf, args.traces, None, mode)
+                        for mode in args.consumers
+                    }
+                }
+            ),
+            consumers_lines,
+        )
     return write_section(
         KEY,
         args.out,

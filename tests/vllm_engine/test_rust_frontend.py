@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+import psutil
 import pytest
 
 from otel_llm.testing.span_receiver import span_attributes
@@ -37,6 +38,7 @@ from tests.support.backends import require_backend, wait_until
 LOAD = Load(requests=64, concurrency=64, max_tokens=96, seed=0)
 LABELS = frozenset({"model_name": MODEL_NAME, "engine": "0"}.items())
 SERVICE = "vllm-rust-frontend"  # this module's spans, in the session's shared OTLP sink
+WORKER = "otel_llm.integrations.vllm.frontend.engine_worker"  # an engine's own recording process
 TRUTH_RECORDER = Path(__file__).resolve().parent / "preemption_truth"
 Samples = dict[tuple[str, frozenset], float]
 
@@ -307,6 +309,9 @@ def test_data_parallel_engines_each_count_what_the_rust_frontend_counts(tiny_mod
         "OTEL_BSP_SCHEDULE_DELAY": "200",
     }
     with VllmServer(tiny_model, args=["--data-parallel-size", "2"], env=env, rust_frontend=True) as server:
+        # Engine 1 is recorded in a process of its own, a child of the serve's, started before its engine core.
+        workers = [p for p in psutil.Process(server.proc.pid).children() if WORKER in p.cmdline()]
+        assert [p.cmdline()[-2] for p in workers] == ["1"]
         completions = run_load(server.url, load)
         assert [c.status for c in completions] == [200] * load.requests, server.log_tail()
 
@@ -325,6 +330,7 @@ def test_data_parallel_engines_each_count_what_the_rust_frontend_counts(tiny_mod
         rust, ours, pushed = wait_until(
             everywhere, 60, interval=0.2, what="every request on both /metrics and over OTLP"
         )
+    assert not workers[0].is_running()  # ended with the serve
     assert sorted(pushed) == ["serve-dp-engine-0", "serve-dp-engine-1"]
     for name in (*names, "vllm:request_num_preemptions_count"):
         theirs = {k: v for (n, k), v in rust.items() if n == name and v}

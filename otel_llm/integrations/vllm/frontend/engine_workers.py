@@ -26,7 +26,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Optional
 
 from otel_llm.export.handle import SHUTDOWN_TIMEOUT_MILLIS
 from otel_llm.integrations.vllm.channels import stream_channel
@@ -79,18 +79,9 @@ class EngineWorker:
         registry.register(self)
 
     def collect(self) -> Iterator[Any]:
-        with self._lock:
-            if self._gone:
-                return iter(())
-            self._seq += 1
-            try:
-                self._control.sendall(engine_worker.REQUEST.pack(engine_worker.COLLECT, self._seq))
-                families = self._reply(self._seq, time.monotonic() + COLLECT_TIMEOUT_S)
-            except (OSError, EOFError, pickle.UnpicklingError) as exc:
-                self._ended(f"its channel failed: {exc!r}")
-                return iter(())
+        families = self._ask(COLLECT_TIMEOUT_S)
         if families is None:
-            if not self._slow_said:
+            if not self._gone and not self._slow_said:
                 self._slow_said = True
                 _log.warning(
                     "otel-llm: engine %d's recording process did not answer a scrape within %.0f s: its series are "
@@ -100,6 +91,23 @@ class EngineWorker:
                 )
             return iter(())
         return iter(families)
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Whether the worker answers within ``timeout_s`` (it answers once it is ready to decode)."""
+        return self._ask(timeout_s) is not None
+
+    def _ask(self, timeout_s: float) -> Optional[list[Any]]:
+        """The worker's families; None when it did not answer in time, or is gone."""
+        with self._lock:
+            if self._gone:
+                return None
+            self._seq += 1
+            try:
+                self._control.sendall(engine_worker.REQUEST.pack(engine_worker.COLLECT, self._seq))
+                return self._reply(self._seq, time.monotonic() + timeout_s)
+            except (OSError, EOFError, pickle.UnpicklingError) as exc:
+                self._ended(f"its channel failed: {exc!r}")
+                return None
 
     def _reply(self, seq: int, deadline: float) -> Any:
         """The families answering request ``seq`` (older answers, to scrapes that gave up, are
