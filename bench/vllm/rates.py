@@ -127,6 +127,7 @@ def engine_run(played: Played, folder: str, rate: float, sndbuf: int, engine: in
     tap.hello = stream_channel.json_frame(
         stream_channel.HELLO, {"engine": engine, "model": "bench", "max_model_len": 2048}
     )
+    tap.sender.engine = engine  # as the output thread's start tells it: its own consumer's socket, if any
     causes = cause_channel.Sender(folder)
     sender, clock = tap.sender, time.perf_counter_ns
     idle: list[int] = []

@@ -49,7 +49,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     control = socket.socket(fileno=int(control_fd))
 
     from otel_llm.export.prometheus import PrometheusEndpoint
-    from otel_llm.integrations.vllm.frontend.stream_consumer import StreamConsumer
+    from otel_llm.integrations.vllm.frontend.stream_consumer import StreamConsumer, freeze_start_up_heap
 
     endpoint = PrometheusEndpoint(port=0)  # never served: the serve's endpoint asks it for its families
     consumer = StreamConsumer(folder, listener=listener, serve_on=endpoint, instance_id=instance_id).start()
@@ -57,6 +57,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         consumer.warm()
     except Exception as exc:  # noqa: BLE001 - decoding is set up at the first outputs instead
         _log.warning("otel-llm: loading vLLM's output classes failed (%r); tried again at the first outputs", exc)
+    freeze_start_up_heap()  # vLLM's classes just loaded: frozen now, not at the first hello under load
     try:
         serve(control, endpoint.registry, parent)
     finally:
