@@ -1,6 +1,7 @@
 """In vLLM's engine core, for a frontend that calls no stat-logger plugin (the Rust frontend): the
 engine-core stream handed over, as built, to the process where the telemetry lives
-(:mod:`.stream_consumer`), over :mod:`.stream_channel`.
+(:mod:`.stream_consumer`), over :mod:`.stream_channel`: to its engine's own consumer process when
+the serve started one (several local engines), else to the serve's.
 
 What the engine core pays, and where:
 

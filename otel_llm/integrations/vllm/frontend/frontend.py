@@ -5,7 +5,8 @@ the plugin's stat logger (vLLM issue #58313).
 There otel-llm records from the engine core's stream instead (:func:`start`, run by the plugin's
 ``vllm.general_plugins`` entry point in every vLLM process): ``vllm serve``'s own process, which
 makes the serve's channel folder and outlives its engine cores, runs the telemetry
-(:mod:`.stream_consumer`); the processes it starts (the engine cores)
+(:mod:`.stream_consumer`; with several local engines, each after the first in a process of its own:
+:mod:`.engine_workers`); the processes it starts (the engine cores)
 hand their stream over (:mod:`.engine_tap`). The user's settings are the Python frontend's: the
 ``OTEL_*`` variables, ``OTEL_LLM_*``, the deep hook for the preemptions' causes (on unless
 ``OTEL_LLM_VLLM_DEEP_HOOK=0``).

@@ -1,5 +1,7 @@
 """Where the telemetry lives under a vLLM frontend that calls no stat-logger plugin (the Rust
-frontend): a thread in ``vllm serve``'s own process, which outlives its engine cores.
+frontend): a thread in ``vllm serve``'s own process, which outlives its engine cores; with several
+local engines, each engine after the first has a process of its own running this same consumer
+(:mod:`.engine_workers`), whose families the serve's endpoint serves.
 
 It listens on the serve's stream channel (:mod:`.stream_channel`) and on its cause channel
 (:mod:`.cause_channel`); each engine core connects, says who it is, and hands over what it sent
