@@ -20,13 +20,22 @@ from otel_llm.testing.vllm.server import rust_frontend_missing
 from tests.support.backends import require_backend
 from tests.vllm_engine.test_faults import FINISHED_AT_FAULT, MAX_TOKENS, REQUESTS, Outcome, _run
 
+# (fault, vLLM's arguments); with 2 engines the second is recorded in a process of its own, which
+# the serve tells to end at its SIGTERM.
+CASES = [
+    pytest.param(("sigterm", []), id="sigterm"),
+    pytest.param(("engine-kill", []), id="engine-kill"),
+    pytest.param(("sigterm", ["--data-parallel-size", "2"]), id="sigterm-data-parallel-2"),
+]
 
-@pytest.fixture(scope="module", params=["sigterm", "engine-kill"])
-def outcome(request: Any, tiny_model: Path) -> Iterator[tuple[str, Outcome]]:
+
+@pytest.fixture(scope="module", params=CASES)
+def outcome(request: Any, tiny_model: Path) -> Iterator[tuple[str, int, Outcome]]:
     missing = rust_frontend_missing()
     if missing is not None:
         require_backend("vllm-rs", missing)
-    yield request.param, _run(tiny_model, request.param, [], False, rust_frontend=True)
+    fault, args = request.param
+    yield fault, 2 if args else 1, _run(tiny_model, fault, args, False, rust_frontend=True)
 
 
 def _client_id(span: Any) -> str:
@@ -34,7 +43,7 @@ def _client_id(span: Any) -> str:
 
 
 def test_one_span_per_request_whatever_ended_it(outcome: Any) -> None:
-    fault, o = outcome
+    fault, _, o = outcome
     ids = Counter(span_attributes(s)["gen_ai.request.id"] for s in o.spans)
     assert len(ids) == len(o.spans) == REQUESTS, ids.most_common(3)  # every request had reached the engine core
     streamed = {s.response_id: s for s in o.streams if s.chunks}
@@ -60,8 +69,8 @@ def test_one_span_per_request_whatever_ended_it(outcome: Any) -> None:
 
 
 def test_final_metric_export_counts_every_request_that_finished(outcome: Any) -> None:
-    _, o = outcome
+    _, engines, o = outcome
     assert o.success is not None, "no metric export reached the collector"
     finished = sum("llm.request.incomplete" not in span_attributes(s) for s in o.spans)
     assert o.success["length"] == finished >= FINISHED_AT_FAULT
-    assert len(o.instances) == 1
+    assert len(o.instances) == engines  # each engine an instance of its own
