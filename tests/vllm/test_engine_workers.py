@@ -159,3 +159,43 @@ def test_the_workers_start_where_vllm_launches_its_local_engines(serve: Any, mon
     assert [w.engine for w in serve._workers] == [5, 6]
     assert [os.path.basename(w.path) for w in serve._workers] == ["engine-stream-5", "engine-stream-6"]
     assert all(w.wait_ready(60) for w in serve._workers)
+
+
+def test_engines_the_serve_stops_end_shutdown_one_dead_before_engine_dead(serve: Any, model_dir: str) -> None:
+    """vLLM kills its data-parallel engine cores at once when the serve stops, before any goodbye:
+    told which engines it stops (those still running), the serve's consumer and the workers end
+    those engines' requests ``shutdown``; engine 1, killed before (an OOM kill, say), stays
+    ``engine_dead``, in its worker."""
+    start_workers(serve, [1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE), os.environ.get("PYTHONPATH", "")])}
+    engines = {
+        engine: subprocess.Popen(
+            [sys.executable, str(HERE / "tap_engine.py"), serve.folder, model_dir, str(engine), str(count), "hold"],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for engine, count in ((0, 3), (1, 2))
+    }
+    try:
+        assert [engines[e].stdout.readline() for e in (0, 1)] == ["held\n", "held\n"]  # type: ignore[union-attr]
+        engines[1].kill()
+        engines[1].wait()
+        serve.stopping([0])
+        engines[0].kill()
+        engines[0].wait()
+        wait_until(lambda: len(serve.receiver.named("llm_request")) == 5, 60, what="5 spans cut short")
+    finally:
+        for process in engines.values():
+            process.kill()
+            process.wait()
+    ends = {
+        (instance, span_attributes(span)["llm.request.incomplete"])
+        for span, instance in zip(serve.receiver.spans, serve.receiver.instances)
+    }
+    assert ends == {("serve-w-engine-0", "shutdown"), ("serve-w-engine-1", "engine_dead")}
+    assert _spans_by_instance(serve.receiver) == {
+        "serve-w-engine-0": ["e0-r0", "e0-r1", "e0-r2"],
+        "serve-w-engine-1": ["e1-r0", "e1-r1"],
+    }

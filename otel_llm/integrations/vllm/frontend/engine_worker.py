@@ -8,9 +8,9 @@ an inherited descriptor the serve bound before the engine core started), with th
 telemetry as the serve would build it (``service.instance.id``: the serve's ``INSTANCE_ID``,
 ``-engine-N``): its OTLP pushed from here, the cause channel read as one more receiver. Its
 Prometheus families are kept in a registry of its own and handed to the serve's one endpoint on
-each scrape over ``CONTROL`` (a socket pair with the serve): a request ``>cI`` (:data:`COLLECT` or
-:data:`CLOSE`, a sequence number), a reply ``>II`` (the sequence number, a length) then the
-families, pickled.
+each scrape over ``CONTROL`` (a socket pair with the serve): a request ``>cI`` (:data:`COLLECT`,
+:data:`STOPPING` or :data:`CLOSE`, a sequence number), a reply ``>II`` (the sequence number, a
+length) then the families, pickled (for :data:`STOPPING`, True once its consumer knows).
 
 It ignores SIGINT and SIGTERM (the serve tells it when to end, after a signal to the serve's
 group); it ends when the serve says so, or closes its end, or dies: its requests in flight end
@@ -29,7 +29,7 @@ import struct
 import sys
 from typing import Any, Optional, Sequence
 
-COLLECT, CLOSE = b"C", b"Q"
+COLLECT, STOPPING, CLOSE = b"C", b"S", b"Q"
 REQUEST = struct.Struct(">cI")
 REPLY = struct.Struct(">II")
 PARENT_POLL_S = 0.5  # how often it looks whether the serve still runs, while asked nothing
@@ -59,14 +59,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         _log.warning("otel-llm: loading vLLM's output classes failed (%r); tried again at the first outputs", exc)
     freeze_start_up_heap()  # vLLM's classes just loaded: frozen now, not at the first hello under load
     try:
-        serve(control, endpoint.registry, parent)
+        serve(control, endpoint.registry, consumer, parent)
     finally:
         consumer.close()
         endpoint.shutdown()
     return 0
 
 
-def serve(control: socket.socket, registry: Any, parent: int) -> None:
+def serve(control: socket.socket, registry: Any, consumer: Any, parent: int) -> None:
     """Answer the serve's requests until it says to end, closes its end, or is gone."""
     pending = b""
     while os.getppid() == parent:
@@ -85,8 +85,11 @@ def serve(control: socket.socket, registry: Any, parent: int) -> None:
             pending = pending[REQUEST.size :]
             if kind == CLOSE:
                 return
-            if kind == COLLECT:
-                payload = pickle.dumps(list(registry.collect()), protocol=pickle.HIGHEST_PROTOCOL)
+            if kind in (COLLECT, STOPPING):
+                if kind == STOPPING:
+                    consumer.stopping()
+                answer = list(registry.collect()) if kind == COLLECT else True
+                payload = pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL)
                 try:
                     control.sendall(REPLY.pack(seq, len(payload)) + payload)
                 except OSError:

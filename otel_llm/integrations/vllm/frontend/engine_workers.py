@@ -11,7 +11,10 @@ Prometheus endpoint: each worker's families are asked for on each scrape (at mos
 ends early is said once and its socket removed: its engine core's next connection goes to the
 serve's consumer, which takes the engine over (what was sent meanwhile counted lost). Where the
 launch point is not found, or a worker cannot start, its engines are recorded on the serve's
-thread as with one engine, said once; never an exception into vLLM.
+thread as with one engine, said once; never an exception into vLLM. Where vLLM stops its engine
+cores (``CoreEngineProcManager.shutdown``: under data parallelism it kills them at once, before
+their goodbye), every consumer is told which it stops (those still running), so that their
+requests in flight end ``shutdown``, and those of an engine core that died before ``engine_dead``.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from typing import Any, Iterable, Iterator, Optional
 
 from otel_llm.export.handle import SHUTDOWN_TIMEOUT_MILLIS
@@ -96,14 +100,20 @@ class EngineWorker:
         """Whether the worker answers within ``timeout_s`` (it answers once it is ready to decode)."""
         return self._ask(timeout_s) is not None
 
-    def _ask(self, timeout_s: float) -> Optional[list[Any]]:
-        """The worker's families; None when it did not answer in time, or is gone."""
+    def tell_stopping(self) -> None:
+        """The serve is about to stop the engine cores: the worker's consumer told, and its answer
+        waited for (at most :data:`COLLECT_TIMEOUT_S`), before any engine core is stopped."""
+        self._ask(COLLECT_TIMEOUT_S, engine_worker.STOPPING)
+
+    def _ask(self, timeout_s: float, kind: bytes = engine_worker.COLLECT) -> Optional[Any]:
+        """The worker's answer (its families, for COLLECT); None when it did not answer in time,
+        or is gone."""
         with self._lock:
             if self._gone:
                 return None
             self._seq += 1
             try:
-                self._control.sendall(engine_worker.REQUEST.pack(engine_worker.COLLECT, self._seq))
+                self._control.sendall(engine_worker.REQUEST.pack(kind, self._seq))
                 return self._reply(self._seq, time.monotonic() + timeout_s)
             except (OSError, EOFError, pickle.UnpicklingError) as exc:
                 self._ended(f"its channel failed: {exc!r}")
@@ -206,23 +216,34 @@ def install(consumer: Any) -> bool:
     try:
         from vllm.v1.engine.utils import CoreEngineProcManager
 
-        launch = CoreEngineProcManager.__init__
+        launch, stop = CoreEngineProcManager.__init__, CoreEngineProcManager.shutdown
         signature = inspect.signature(launch)
         missing = {"local_engine_count", "start_index"} - set(signature.parameters)
         if missing:
             raise LookupError(f"it takes no {', '.join(sorted(missing))}")
     except Exception as exc:  # noqa: BLE001 - any vLLM that differs: one thread records every engine
         _log.warning(
-            "otel-llm: vLLM's CoreEngineProcManager(local_engine_count, start_index, ...) not usable (%s): every "
-            "engine's stream is recorded in this process, on one thread",
+            "otel-llm: vLLM's CoreEngineProcManager(local_engine_count, start_index, ...) and its shutdown not "
+            "usable (%s): every engine's stream is recorded in this process, on one thread",
             exc,
         )
         return False
+
+    first_index: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+
+    def stop_engines(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:  # the engine cores still running, by index: those this stops (the others died before)
+            start = first_index[self]
+            consumer.stopping([start + i for i, p in enumerate(self.processes) if p.exitcode is None])
+        except Exception as exc:  # noqa: BLE001 - never into vLLM's shutdown: their ends judged as without it
+            _log.warning("otel-llm: telling the consumers which engines stop failed (%r)", exc)
+        return stop(self, *args, **kwargs)
 
     def launch_engines(self: Any, *args: Any, **kwargs: Any) -> None:
         try:
             arguments = signature.bind(self, *args, **kwargs).arguments
             count, start = int(arguments["local_engine_count"]), int(arguments["start_index"])
+            first_index[self] = start
             if count > 1:
                 start_workers(consumer, range(start + 1, start + count))
         except Exception as exc:  # noqa: BLE001 - never into vLLM's launch
@@ -230,4 +251,5 @@ def install(consumer: Any) -> bool:
         launch(self, *args, **kwargs)
 
     CoreEngineProcManager.__init__ = launch_engines
+    CoreEngineProcManager.shutdown = stop_engines
     return True

@@ -35,7 +35,7 @@ import signal
 import socket
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Collection, Optional
 
 from otel_llm.catalogue import drops
 from otel_llm.config.tenants import SOURCES_BY_ENTRY_POINT
@@ -107,6 +107,7 @@ class StreamConsumer:
         self._serve_on = serve_on
         self._instance_id = instance_id
         self._workers: list[Any] = []  # engine_workers.EngineWorker: the engines recorded elsewhere
+        self._stopped: Optional[set[int]] = set()  # engines the serve stops itself (None: every one)
         self._causes = cause_channel.Receiver(folder)
         self._cause_book: dict[tuple[str, int], cause_channel.CauseRecord] = {}
         self._uncredited: list[tuple[cause_channel.CauseRecord, int]] = []  # with the drains it waited
@@ -357,6 +358,18 @@ class StreamConsumer:
             if endpoint is not None:
                 worker.serve_on(endpoint.registry)
 
+    def stopping(self, alive: Optional[Collection[int]] = None) -> None:
+        """The serve is about to stop the engine cores ``alive`` (None: every one); vLLM kills them
+        at once under data parallelism, before their goodbye. Their connections' end then ends
+        their requests ``shutdown``; an engine core that died before stays ``engine_dead``, its
+        connection ending late or not (its own children may hold it open until they are stopped).
+        The engines' own processes are told first, each answering once it knows."""
+        for worker in list(self._workers):
+            if alive is None or worker.engine in alive:
+                worker.tell_stopping()
+        with self._lock:
+            self._stopped = None if alive is None else set(alive)
+
     def warm(self) -> None:
         """Load what decoding the first outputs needs (vLLM's classes) now, while the engine cores
         load their model, rather than at their first outputs."""
@@ -381,7 +394,8 @@ class StreamConsumer:
         self._by_index.pop(engine.index, None)
         engine.translator.settle(float("inf"))
         if engine.translator.drain():
-            engine.telemetry.end_in_flight(SHUTDOWN if engine.clean else ENGINE_DEAD)
+            stopped = self._stopped is None or engine.index in self._stopped
+            engine.telemetry.end_in_flight(SHUTDOWN if engine.clean or stopped else ENGINE_DEAD)
 
     def _settle(self, until: float) -> None:
         for engine in self._by_index.values():
