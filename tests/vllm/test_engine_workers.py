@@ -135,7 +135,7 @@ def test_a_worker_that_dies_hands_its_engine_to_the_serve(
     assert len(said) == 1 and "exit code -9" in said[0].getMessage()
 
 
-def test_the_workers_start_where_vllm_launches_its_local_engines(serve: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_workers_start_where_vllm_launches_its_local_engines(serve: Any) -> None:
     """vLLM's own ``CoreEngineProcManager``, wrapped: asked for 3 local engines from index 4, it
     starts workers for 5 and 6 before vLLM's code runs (here it fails at once on a missing config,
     after the workers started: vLLM's own error, not ours)."""
@@ -143,19 +143,21 @@ def test_the_workers_start_where_vllm_launches_its_local_engines(serve: Any, mon
 
     from otel_llm.integrations.vllm.frontend import engine_workers
 
-    monkeypatch.setattr(CoreEngineProcManager, "__init__", CoreEngineProcManager.__init__)  # restored after
     assert engine_workers.install(serve)
-    with pytest.raises(AttributeError):
-        CoreEngineProcManager(
-            local_engine_count=3,
-            start_index=4,
-            local_start_index=0,
-            vllm_config=None,
-            local_client=True,
-            handshake_address="",
-            executor_class=None,
-            log_stats=False,
-        )
+    try:
+        with pytest.raises(AttributeError):
+            CoreEngineProcManager(
+                local_engine_count=3,
+                start_index=4,
+                local_start_index=0,
+                vllm_config=None,
+                local_client=True,
+                handshake_address="",
+                executor_class=None,
+                log_stats=False,
+            )
+    finally:
+        engine_workers.uninstall()
     assert [w.engine for w in serve._workers] == [5, 6]
     assert [os.path.basename(w.path) for w in serve._workers] == ["engine-stream-5", "engine-stream-6"]
     assert all(w.wait_ready(60) for w in serve._workers)

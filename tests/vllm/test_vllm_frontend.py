@@ -15,7 +15,7 @@ import pytest
 
 from otel_llm.integrations.vllm.channels import cause_channel, stream_channel
 from otel_llm.integrations.vllm.engine_core import engine_tap
-from otel_llm.integrations.vllm.frontend import frontend
+from otel_llm.integrations.vllm.frontend import engine_workers, frontend
 from otel_llm.integrations.vllm.frontend.stream_consumer import StreamConsumer
 
 
@@ -30,6 +30,7 @@ def fresh(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Iterator[list[Any]]
         if isinstance(part, StreamConsumer):
             part.close()
     engine_tap.uninstall()
+    engine_workers.uninstall()
     os.environ.pop(cause_channel.ENV, None)
 
 

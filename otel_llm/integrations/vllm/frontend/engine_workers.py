@@ -24,6 +24,7 @@ import logging
 import os
 import pickle
 import select
+import signal
 import socket
 import subprocess
 import sys
@@ -41,6 +42,11 @@ _log = logging.getLogger("otel_llm.integrations.vllm")
 COLLECT_TIMEOUT_S = 2.0  # a scrape waits this long at most for a worker's families
 # A worker's end waits for its flush: two export stages, each bounded by the handle's timeout.
 CLOSE_WAIT_S = 2 * SHUTDOWN_TIMEOUT_MILLIS / 1000 + 5
+
+# An engine core's exit code (multiprocessing's) when the serve stops it: running still, or ended
+# by the signal sent to the serve's group, or cleanly. Any other (SIGKILL, a crash) is a death.
+STOPPED = (None, 0, -signal.SIGTERM, -signal.SIGINT)
+_installed: list[tuple[type, str, Any]] = []  # (class, name, vLLM's own): what install replaced
 
 
 class EngineWorker:
@@ -232,9 +238,9 @@ def install(consumer: Any) -> bool:
     first_index: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
 
     def stop_engines(self: Any, *args: Any, **kwargs: Any) -> Any:
-        try:  # the engine cores still running, by index: those this stops (the others died before)
+        try:  # by index, the engine cores this stops: running, or ended by the signal that stops the serve
             start = first_index[self]
-            consumer.stopping([start + i for i, p in enumerate(self.processes) if p.exitcode is None])
+            consumer.stopping([start + i for i, p in enumerate(self.processes) if p.exitcode in STOPPED])
         except Exception as exc:  # noqa: BLE001 - never into vLLM's shutdown: their ends judged as without it
             _log.warning("otel-llm: telling the consumers which engines stop failed (%r)", exc)
         return stop(self, *args, **kwargs)
@@ -250,6 +256,14 @@ def install(consumer: Any) -> bool:
             _log.warning("otel-llm: starting the engines' recording processes failed (%r): this one records them", exc)
         launch(self, *args, **kwargs)
 
+    _installed.extend([(CoreEngineProcManager, "__init__", launch), (CoreEngineProcManager, "shutdown", stop)])
     CoreEngineProcManager.__init__ = launch_engines
     CoreEngineProcManager.shutdown = stop_engines
     return True
+
+
+def uninstall() -> None:
+    """Restore vLLM's methods (tests)."""
+    for owner, name, original in reversed(_installed):
+        setattr(owner, name, original)
+    _installed.clear()

@@ -359,16 +359,17 @@ class StreamConsumer:
                 worker.serve_on(endpoint.registry)
 
     def stopping(self, alive: Optional[Collection[int]] = None) -> None:
-        """The serve is about to stop the engine cores ``alive`` (None: every one); vLLM kills them
-        at once under data parallelism, before their goodbye. Their connections' end then ends
+        """The serve is about to stop the engine cores ``alive`` (None: every one; those running,
+        or ended by the signal that stops the serve); vLLM kills them at once under data
+        parallelism, before their goodbye. Their connections' end then ends
         their requests ``shutdown``; an engine core that died before stays ``engine_dead``, its
         connection ending late or not (its own children may hold it open until they are stopped).
         The engines' own processes are told first, each answering once it knows."""
         for worker in list(self._workers):
             if alive is None or worker.engine in alive:
                 worker.tell_stopping()
-        with self._lock:
-            self._stopped = None if alive is None else set(alive)
+        # Not under the lock: the thread may hold it for a long read, and a worker must answer at once.
+        self._stopped = None if alive is None else set(alive)
 
     def warm(self) -> None:
         """Load what decoding the first outputs needs (vLLM's classes) now, while the engine cores
