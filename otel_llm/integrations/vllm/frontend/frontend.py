@@ -50,9 +50,12 @@ def start(environ: Mapping[str, str] = os.environ) -> bool:
     # vllm serve's own process makes the folder; every process it starts, however (its engine
     # cores, Ray's workers for data parallelism), inherits it while vllm serve runs.
     if inherited is None:
+        from otel_llm.integrations.vllm.frontend import serve_stop
         from otel_llm.integrations.vllm.frontend.stream_consumer import StreamConsumer
 
-        _started.append(StreamConsumer(path).start())
+        consumer = StreamConsumer(path).start()
+        _started.append(consumer)
+        serve_stop.watch(consumer.serve_stopping)
         _log.info("otel-llm: %s=1: recording vLLM's engine-core stream in this process", RUST_FRONTEND_ENV)
     else:
         from otel_llm.integrations.vllm.engine_core import engine_tap

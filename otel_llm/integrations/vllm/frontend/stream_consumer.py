@@ -100,6 +100,7 @@ class StreamConsumer:
         self._reader = FieldReader(_log)
         self.unreadable = 0  # frames skipped: they could not be decoded or translated
         self._stop = threading.Event()
+        self._serve_stopping = False  # vLLM was asked to stop: engine cores it kills did not die
         self._lock = threading.Lock()  # the thread's work and close() never interleave
         self._thread = threading.Thread(target=self._run, name="otel-llm engine stream", daemon=True)
 
@@ -336,7 +337,7 @@ class StreamConsumer:
         self._by_index.pop(engine.index, None)
         engine.translator.settle(float("inf"))
         if engine.translator.drain():
-            engine.telemetry.end_in_flight(SHUTDOWN if engine.clean else ENGINE_DEAD)
+            engine.telemetry.end_in_flight(SHUTDOWN if engine.clean or self._serve_stopping else ENGINE_DEAD)
 
     def _settle(self, until: float) -> None:
         for engine in self._by_index.values():
@@ -344,6 +345,12 @@ class StreamConsumer:
                 engine.telemetry.flush()  # an engine core gone idle sends no step that would apply them
 
     # -- at exit ------------------------------------------------------------------------
+
+    def serve_stopping(self) -> None:
+        """vLLM was asked to stop (SIGTERM, SIGINT) and stops its engine cores: one that ends
+        without its goodbye from now on (held, or too slow for vLLM's shutdown timeout, and
+        killed) was stopped, not dead: its requests end marked ``shutdown``."""
+        self._serve_stopping = True
 
     def close(self) -> None:
         """Stop; the requests still in flight end marked ``shutdown``; everything flushed."""
