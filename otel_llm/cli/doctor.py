@@ -223,8 +223,14 @@ def doctor(out: TextIO, environ: Optional[Mapping[str, str]] = None) -> int:
     print(f"  request_num_preemptions buckets {', '.join(f'{b:g}' for b in config.preemption_buckets)}", file=out)
     print(f"  metrics exporters {', '.join(metrics)}; traces exporters {', '.join(traces)}", file=out)
     # The entry points here: the serving engines installed, else engine_stub (the demo's engine).
-    # vLLM's two frontends: its Python frontend ("vllm"), and the engine core's stream under its Rust frontend.
-    installed = (("vllm", vllm_version), ("vllm-engine-core", vllm_version), ("transformers", transformers_version))
+    # vLLM's two frontends: its Python frontend ("vllm"), and the engine core's stream under its Rust
+    # frontend; transformers' two: `transformers serve` (HTTP) and generate_batch / the manager in code.
+    installed = (
+        ("vllm", vllm_version),
+        ("vllm-engine-core", vllm_version),
+        ("transformers serve", transformers_version),
+        ("transformers generate_batch", transformers_version),
+    )
     engines = [name for name, v in installed if v is not None]
     tenant_line, tenant_unreached = tenant_reach(config, engines or ["engine_stub"])
     print(f"  {tenant_line}", file=out)
