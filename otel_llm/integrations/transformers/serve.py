@@ -98,10 +98,10 @@ class Carried(NamedTuple):
 
 
 class CarriedInputs(dict):
-    """A request's inputs on their way to transformers' engine process, carrying
-    ``otel_llm`` (:class:`Carried`, as a plain tuple). Pickled with them."""
+    """A request's inputs on their way to transformers' engine process, carrying ``otel_llm``
+    (:class:`Carried`). Pickled with them."""
 
-    otel_llm: tuple[Optional[str], Optional[dict[str, str]], Optional[dict[str, str]]]
+    otel_llm: Carried
 
 
 def carrying(inputs: dict) -> dict:
@@ -111,14 +111,14 @@ def carrying(inputs: dict) -> dict:
     if found == Carried():
         return inputs
     carried_inputs = CarriedInputs(inputs)
-    carried_inputs.otel_llm = tuple(found)  # type: ignore[assignment]  # a plain tuple pickles without this module
+    carried_inputs.otel_llm = found
     return carried_inputs
 
 
 def carried(inputs: Any) -> Carried:
     """What :func:`carrying` put on ``inputs``; all None when nothing."""
     found = getattr(inputs, "otel_llm", None)
-    return Carried(*found) if isinstance(found, tuple) and len(found) == len(Carried._fields) else Carried()
+    return found if isinstance(found, Carried) else Carried()
 
 
 class TraceContextMiddleware:
@@ -150,7 +150,11 @@ class TraceContextMiddleware:
             if tenant_values and self._tenant is not None:
                 # A header sent twice: the first value; baggage sent twice: one list (W3C).
                 value = ",".join(tenant_values) if self._tenant.kind == "baggage" else tenant_values[0]
-                tenant_token = _request_tenant.set(request_tenant(self._tenant, value))
+                try:
+                    found = request_tenant(self._tenant, value)
+                except Exception:  # noqa: BLE001 - never into the server: the request's tenant is unset
+                    found = None
+                tenant_token = _request_tenant.set(found)
             if not headers:
                 await self.app(scope, receive, send)
                 return
