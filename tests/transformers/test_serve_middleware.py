@@ -33,7 +33,14 @@ def handled(source: Optional[str], headers: list[tuple[str, str]]) -> tuple[Any,
 
     middleware = TraceContextMiddleware(app, parse_source(source) if source else None)
     scope = {"type": "http", "headers": [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]}
-    asyncio.run(middleware(scope, None, None))
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": b""}
+
+    async def send(message: dict) -> None:
+        pass
+
+    asyncio.run(middleware(scope, receive, send))
     carrier, facts, carried_along = found
     return carrier, facts, carried_along
 
