@@ -111,8 +111,9 @@ def test_python_dash_m_otel_llm_doctor() -> None:
 
 
 def test_a_tenant_source_one_engine_here_takes_fails_nothing() -> None:
-    """vLLM's environment has transformers installed too, which takes no priority: a priority
-    source reaches vLLM's frontends, and the doctor passes; one that no engine here takes fails it."""
+    """An environment serving with vLLM and with transformers' instrumentor, which takes no
+    priority: a priority source reaches vLLM's frontends, and the doctor passes; one that no
+    engine here takes fails it."""
     from otel_llm.cli.doctor import tenant_reach
     from otel_llm.config.settings import TelemetryConfig
 
