@@ -135,6 +135,7 @@ def test_the_tenant_matrix_is_the_engine_cores_record(run: Run) -> None:
         if n == "vllm:num_preemptions_by_tenant_total" and v
     }
     assert ours == dict(truth)
+    assert sum(ours.values()) == _total(run.theirs, "vllm:num_preemptions_total")
 
 
 def test_each_adapter_has_its_own_preemption_histogram_summing_to_vllms(run: Run) -> None:
