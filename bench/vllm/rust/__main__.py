@@ -218,16 +218,17 @@ def counts_agree(arm: Arm, timeout_s: float = 60.0) -> dict[str, Any]:
     every preemption."""
     from otel_llm.testing.vllm.server import scrape
 
-    names = ("vllm:request_success_total", "vllm:generation_tokens_total", "vllm:num_preemptions_total")
     rust = scrape(arm.server.url + "/metrics")
-    want = {n: _total(rust, n) for n in names}
+    want = {
+        n: _total(rust, n)
+        for n in ("vllm:request_success_total", "vllm:generation_tokens_total", "vllm:num_preemptions_total")
+    }
     if arm.name == "otel_tenants":
         want["vllm:num_preemptions_by_tenant_total"] = want["vllm:num_preemptions_total"]
-        names = (*names, "vllm:num_preemptions_by_tenant_total")
     deadline = time.monotonic() + timeout_s
     while True:
         ours = scrape(arm.server.metrics_url)
-        got = {n: _total(ours, n) for n in names}
+        got = {n: _total(ours, n) for n in want}
         if got == want or time.monotonic() > deadline:
             return {"rust": want, "otel_llm": got, "equal": got == want}
         time.sleep(0.5)  # the consumer translates deferred steps once the engine is idle
