@@ -19,6 +19,7 @@ from otel_llm.export.settings_check import check_settings
 from otel_llm.version import __version__
 
 CONNECT_TIMEOUT_S = 2.0
+TRANSFORMERS_INSTRUMENTOR = "transformers instrumentor"  # its part's name
 DEFAULT_ENDPOINTS = {"grpc": "http://localhost:4317", "http/protobuf": "http://localhost:4318/v1/{signal}"}
 
 
@@ -110,12 +111,12 @@ def transformers_parts() -> list[Part]:
         from otel_llm.integrations.transformers import internals
     except ModuleNotFoundError as exc:  # opentelemetry-instrumentation missing: the message says what to install
         # Not asked for: transformers came with another package (vLLM), not with otel-llm's extra.
-        return [Part("transformers instrumentor", str(exc), False)]
+        return [Part(TRANSFORMERS_INSTRUMENTOR, str(exc), False)]
     _, failed = internals.unmet()
     required = [key for key in failed if internals.degrades(key) == internals.REQUIRED]
     parts = [
         Part(
-            "transformers instrumentor",
+            TRANSFORMERS_INSTRUMENTOR,
             "; ".join(f"{internals.name(k)}: {failed[k]}" for k in required) or None,
             True,
             "continuous batching: metrics, spans, evictions and their causes",
@@ -223,9 +224,17 @@ def doctor(out: TextIO, environ: Optional[Mapping[str, str]] = None) -> int:
     print(f"  request_num_preemptions buckets {', '.join(f'{b:g}' for b in config.preemption_buckets)}", file=out)
     print(f"  metrics exporters {', '.join(metrics)}; traces exporters {', '.join(traces)}", file=out)
     # The entry points here: the serving engines installed, else engine_stub (the demo's engine).
-    # vLLM's two frontends: its Python frontend ("vllm"), and the engine core's stream under its Rust frontend.
-    installed = (("vllm", vllm_version), ("vllm-engine-core", vllm_version), ("transformers", transformers_version))
-    engines = [name for name, v in installed if v is not None]
+    # vLLM's two frontends: its Python frontend ("vllm"), and the engine core's stream under its Rust
+    # frontend; transformers' two, `transformers serve` (HTTP) and generate_batch / the manager in
+    # code, with the instrumentor's extra only (vLLM installs transformers too).
+    instrumented = any(p.name == TRANSFORMERS_INSTRUMENTOR and p.asked for p in parts)
+    installed = (
+        ("vllm", vllm_version is not None),
+        ("vllm-engine-core", vllm_version is not None),
+        ("transformers serve", instrumented),
+        ("transformers generate_batch", instrumented),
+    )
+    engines = [name for name, here in installed if here]
     tenant_line, tenant_unreached = tenant_reach(config, engines or ["engine_stub"])
     print(f"  {tenant_line}", file=out)
     if "prometheus" in metrics:

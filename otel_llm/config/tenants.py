@@ -28,13 +28,15 @@ MAX_VALUE_LENGTH = 64
 # to ``add_request``. vLLM's Python frontend ("vllm": its stat logger, with the deep hook) and,
 # under its Rust frontend, the engine core's stream ("vllm-engine-core") have each request's
 # priority and adapter, and the served model; neither sees a request header (vLLM hands its engine
-# only traceparent and tracestate). transformers' requests carry no priority nor adapter, and the
-# trace context its instrumentor keeps is traceparent and tracestate: the model only.
+# only traceparent and tracestate). transformers' requests carry no priority nor adapter:
+# ``transformers serve`` sees each request's headers (the named header, the caller's ``baggage``);
+# ``generate_batch`` and the batching manager in code see no HTTP request: the model only.
 SOURCES_BY_ENTRY_POINT: dict[str, tuple[str, ...]] = {
     "engine_stub": ("priority", "lora", "model", "baggage"),
     "vllm": ("priority", "lora", "model"),
     "vllm-engine-core": ("priority", "lora", "model"),
-    "transformers": ("model",),
+    "transformers serve": ("model", "header", "baggage"),
+    "transformers generate_batch": ("model",),
 }
 
 _TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")  # an HTTP header name (RFC 9110 token)

@@ -1,13 +1,17 @@
 """A tiny Llama with seeded random weights, made locally (no hub), for the real engines' suites,
-benchmarks and demos (vLLM, transformers), and a tokenizer for it for the servers that load one.
-Needs torch, transformers and tokenizers."""
+benchmarks and demos (vLLM, transformers), a tokenizer for it for the servers that load one, and
+LoRA adapters for it. Needs torch, transformers and tokenizers (safetensors for the adapters)."""
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
 VOCAB_SIZE = 512
+HIDDEN_SIZE = 128
+NUM_LAYERS = 2
+LORA_TARGETS = ("q_proj", "v_proj")  # square projections of HIDDEN_SIZE: one shape for A and B
 
 
 def make_tiny_llama(path: Path, seed: int = 0) -> Path:
@@ -18,15 +22,44 @@ def make_tiny_llama(path: Path, seed: int = 0) -> Path:
 
     torch.manual_seed(seed)
     config = LlamaConfig(
-        hidden_size=128,
+        hidden_size=HIDDEN_SIZE,
         intermediate_size=256,
-        num_hidden_layers=2,
+        num_hidden_layers=NUM_LAYERS,
         num_attention_heads=2,
         num_key_value_heads=2,
         vocab_size=VOCAB_SIZE,
         max_position_embeddings=512,
     )
     LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def make_tiny_lora(path: Path, seed: int, rank: int = 8) -> Path:
+    """A LoRA adapter for :func:`make_tiny_llama`'s model in PEFT's format (``adapter_config.json``
+    and ``adapter_model.safetensors``; PEFT itself not needed), seeded random A and B of ``rank``
+    on every layer's query and value projections. B is not zero (PEFT's initialisation), so the
+    adapter changes what the model generates."""
+    import torch
+    from safetensors.torch import save_file
+
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(NUM_LAYERS):
+        for module in LORA_TARGETS:
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, HIDDEN_SIZE, generator=generator) * 0.1
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(HIDDEN_SIZE, rank, generator=generator) * 0.1
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, path / "adapter_model.safetensors")
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "target_modules": list(LORA_TARGETS),
+        "bias": "none",
+    }
+    (path / "adapter_config.json").write_text(json.dumps(config, indent=2))
     return path
 
 

@@ -111,16 +111,18 @@ def test_python_dash_m_otel_llm_doctor() -> None:
 
 
 def test_a_tenant_source_one_engine_here_takes_fails_nothing() -> None:
-    """vLLM's environment has transformers installed too, which takes the model only: a priority
-    source reaches vLLM's frontends, and the doctor passes; one that no engine here takes fails it."""
+    """An environment serving with vLLM and with transformers' instrumentor, which takes no
+    priority: a priority source reaches vLLM's frontends, and the doctor passes; one that no
+    engine here takes fails it."""
     from otel_llm.cli.doctor import tenant_reach
     from otel_llm.config.settings import TelemetryConfig
 
-    engines = ["vllm", "vllm-engine-core", "transformers"]
+    engines = ["vllm", "vllm-engine-core", "transformers serve", "transformers generate_batch"]
     line, unreached = tenant_reach(TelemetryConfig(tenant="priority"), engines)
     assert not unreached
     assert line == (
-        "tenant priority (at most 20 values): reaches vllm, vllm-engine-core; refused by transformers hands over model"
+        "tenant priority (at most 20 values): reaches vllm, vllm-engine-core; refused by transformers serve "
+        "hands over model, header, baggage; transformers generate_batch hands over model"
     )
-    _, unreached = tenant_reach(TelemetryConfig(tenant="header:x-team"), engines)
+    _, unreached = tenant_reach(TelemetryConfig(tenant="lora"), engines[2:])
     assert unreached

@@ -30,3 +30,28 @@ def test_a_renamed_method_fails_the_instrumentor(monkeypatch: pytest.MonkeyPatch
     text = out.getvalue()
     assert "  FAIL  transformers instrumentor" in text and "ContinuousBatchProcessor.update_batch" in text
     assert text.rstrip().endswith("not attached or not reachable: transformers instrumentor")
+
+
+def test_the_tenant_sources_of_serve_and_of_generate_batch() -> None:
+    """`transformers serve` sees each request's headers; generate_batch in code sees none: a header
+    source reaches the former (exit 0), a priority source neither (exit 1)."""
+    out = io.StringIO()
+    assert doctor(out, {**ENV, "OTEL_LLM_TENANT": "header:X-Team"}) == 0, out.getvalue()
+    assert (
+        "  tenant header:x-team (at most 20 values): reaches transformers serve; "
+        "refused by transformers generate_batch hands over model\n"
+    ) in out.getvalue()
+    out = io.StringIO()
+    assert doctor(out, {**ENV, "OTEL_LLM_TENANT": "baggage:team", "OTEL_LLM_TENANT_MAX_VALUES": "5"}) == 0
+    assert (
+        "  tenant baggage:team (at most 5 values): reaches transformers serve; "
+        "refused by transformers generate_batch hands over model\n"
+    ) in out.getvalue()
+    out = io.StringIO()
+    assert doctor(out, {**ENV, "OTEL_LLM_TENANT": "priority"}) == 1, out.getvalue()
+    text = out.getvalue()
+    assert (
+        "  tenant priority (at most 20 values): reaches none of the entry points here; refused by "
+        "transformers serve hands over model, header, baggage; transformers generate_batch hands over model\n"
+    ) in text
+    assert text.rstrip().endswith("not attached or not reachable: tenant source")

@@ -13,9 +13,9 @@ NUM_REQUESTS = 20
 MAX_NEW_TOKENS = 48
 
 
-def run(model: Any, seed: int = 0, num_blocks: int = 6) -> dict[str, Any]:
+def run(model: Any, seed: int = 0, num_blocks: int = 6, num_requests: int = NUM_REQUESTS) -> dict[str, Any]:
     return model.generate_batch(
-        inputs=prompts(NUM_REQUESTS, seed),
+        inputs=prompts(num_requests, seed),
         generation_config=generation_config(MAX_NEW_TOKENS),
         continuous_batching_config=cb_config(num_blocks),
         warmup=False,
@@ -101,21 +101,23 @@ def test_enough_kv_cache_no_eviction(model: Any, engine_truth: EngineTruth, inst
 
 
 def test_a_tenant_source_is_the_model_or_refused_with_one_warning(model: Any, caplog: Any) -> None:
-    """transformers' entry point hands over the model only (docs/tenants.md): with
-    ``OTEL_LLM_TENANT=model`` each request's series carry its model; any other source is refused
-    once, and the telemetry runs without a tenant label."""
+    """generate_batch hands over the model only (docs/tenants.md): with ``OTEL_LLM_TENANT=model``
+    each request's series carry its model; any other source, a header or baggage too (no HTTP
+    request here), is refused once, and the telemetry runs without a tenant label."""
     import dataclasses
     import logging
 
     from tests.transformers.conftest import CONFIG, instrument
 
     caplog.set_level(logging.WARNING)
-    for tenant in ("model", "priority"):
+    refused = ("priority", "header:x-team", "baggage:team")
+    for tenant in ("model", *refused):
         found = instrument(dataclasses.replace(CONFIG, tenant=tenant))
         try:
-            run(model)
+            num_requests = NUM_REQUESTS if tenant == "model" else 2
+            run(model, num_requests=num_requests)
             m = found.metrics()
-            assert m.counter("request_success") == NUM_REQUESTS
+            assert m.counter("request_success") == num_requests
             tenants = {p.attributes.get("llm.tenant") for p in m.points("request_success")}
             assert tenants == ({CONFIG.model_name} if tenant == "model" else {None}), tenant
         finally:
@@ -124,6 +126,7 @@ def test_a_tenant_source_is_the_model_or_refused_with_one_warning(model: Any, ca
             found.tracer_provider.shutdown()
     refusals = [r.getMessage() for r in caplog.records if "OTEL_LLM_TENANT" in r.getMessage()]
     assert refusals == [
-        "otel_llm: OTEL_LLM_TENANT=priority does not reach transformers, which hands over model: "
+        f"otel_llm: OTEL_LLM_TENANT={tenant} does not reach transformers generate_batch, which hands over model: "
         "no tenant label on any series"
+        for tenant in refused
     ]

@@ -17,6 +17,7 @@ from otel_llm.events import CAUSE_REQUEST, CAUSE_SELF
 from otel_llm.integrations.vllm.channels import cause_channel, stream_channel
 from otel_llm.integrations.vllm.channels.cause_channel import CauseRecord
 from otel_llm.integrations.vllm.engine_core import engine_tap
+from otel_llm.integrations.vllm.frontend import serve_stop
 from otel_llm.integrations.vllm.frontend.stream_consumer import StreamConsumer
 from tests.support.backends import wait_until
 
@@ -361,3 +362,45 @@ def test_an_engine_core_that_died_just_before_the_serve_stopped_cuts_its_request
     o.consumer.close()  # at once: the serve's exit
     (span,) = o.spans.get_finished_spans()
     assert span.attributes["llm.request.incomplete"] == "engine_dead"
+
+
+def test_an_engine_core_the_serve_stops_without_its_goodbye_ends_its_requests_shutdown(stream: Any) -> None:
+    """vLLM was asked to stop and kills an engine core that is held or slow (its shutdown timeout
+    is 0 by default), so no goodbye comes: its requests end ``shutdown``, not ``engine_dead``."""
+    t, o = time.monotonic(), stream
+    o.sender.send(stream_channel.json_frame(stream_channel.HELLO, {"engine": 0, "model": "tiny"}))
+    o.sender.send(_encode(_outputs(t, _out("z", 1, ((QUEUED, t - 0.2), (SCHEDULED, t - 0.1)), prompt=5))))
+    wait_until(lambda: o.consumer._engines, 30, what="the engine core's hello read")
+    o.consumer.serve_stopping()
+    o.sender.close()  # killed by vLLM's shutdown
+    wait_until(lambda: len(o.spans.get_finished_spans()) == 1, 30, what="the cut-short span")
+    (span,) = o.spans.get_finished_spans()
+    assert span.attributes["llm.request.incomplete"] == "shutdown"
+
+
+@pytest.mark.parametrize(("timeout", "told"), [(0.0, 1), (None, 0)])
+def test_vllms_engine_managers_tell_a_stop_only_when_vllm_was_asked_to_stop(
+    monkeypatch: Any, timeout: Any, told: int
+) -> None:
+    """vLLM passes its managers' ``shutdown`` a timeout only after SIGTERM or SIGINT; without one,
+    an engine core or the frontend died. The manager is vLLM's own, its processes already gone
+    (Ray's manager, wrapped the same way, needs Ray to stop: not installed here)."""
+    import threading
+    import weakref
+
+    from vllm.v1.engine import utils
+
+    managers = [getattr(utils, name) for name in serve_stop.MANAGERS]
+    for cls in managers:
+        monkeypatch.setattr(cls, "shutdown", cls.shutdown)  # the wrappers are undone after the test
+    calls: list[None] = []
+    assert serve_stop.watch(lambda: calls.append(None))
+    assert serve_stop.watch(lambda: calls.append(None))  # a second watch does not wrap again
+    assert all(getattr(cls.shutdown, "__wrapped__", None) is not None for cls in managers)
+    manager = utils.CoreEngineProcManager.__new__(utils.CoreEngineProcManager)
+    manager.manager_stopped = threading.Event()
+    finalizer = weakref.finalize(manager, lambda: None)
+    finalizer.detach()  # its processes already stopped: vLLM's shutdown has nothing left to stop
+    manager._finalizer = finalizer
+    manager.shutdown(timeout=timeout)
+    assert manager.manager_stopped.is_set() and len(calls) == told

@@ -163,11 +163,11 @@ def test_the_workers_start_where_vllm_launches_its_local_engines(serve: Any) -> 
     assert all(w.wait_ready(60) for w in serve._workers)
 
 
-def test_engines_the_serve_stops_end_shutdown_one_dead_before_engine_dead(serve: Any, model_dir: str) -> None:
-    """vLLM kills its data-parallel engine cores at once when the serve stops, before any goodbye:
-    told which engines it stops (those still running), the serve's consumer and the workers end
-    those engines' requests ``shutdown``; engine 1, killed before (an OOM kill, say), stays
-    ``engine_dead``, in its worker."""
+def test_a_stop_of_the_serve_reaches_the_workers_before_the_engines_are_killed(serve: Any, model_dir: str) -> None:
+    """vLLM kills its data-parallel engine cores at once when the serve is asked to stop, before
+    any goodbye: told of the stop first (``serve_stopping``), the serve's consumer and the
+    workers end those engines' requests ``shutdown``: engine 1's, in its worker. Engine 0, killed
+    before the stop (an OOM kill, say), ends its requests ``engine_dead``."""
     start_workers(serve, [1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE), os.environ.get("PYTHONPATH", "")])}
     engines = {
@@ -178,16 +178,15 @@ def test_engines_the_serve_stops_end_shutdown_one_dead_before_engine_dead(serve:
             stdout=subprocess.PIPE,
             text=True,
         )
-        for engine, count in ((0, 3), (1, 2))
+        for engine, count in ((0, 2), (1, 3))
     }
     try:
         assert [engines[e].stdout.readline() for e in (0, 1)] == ["held\n", "held\n"]  # type: ignore[union-attr]
-        engines[1].kill()
-        engines[1].wait()
-        serve.stopping([0])
         engines[0].kill()
-        engines[0].wait()
-        wait_until(lambda: len(serve.receiver.named("llm_request")) == 5, 60, what="5 spans cut short")
+        wait_until(lambda: len(serve.receiver.named("llm_request")) == 2, 60, what="engine 0's 2 spans cut short")
+        serve.serve_stopping()
+        engines[1].kill()
+        wait_until(lambda: len(serve.receiver.named("llm_request")) == 5, 60, what="engine 1's 3 spans cut short")
     finally:
         for process in engines.values():
             process.kill()
@@ -196,8 +195,8 @@ def test_engines_the_serve_stops_end_shutdown_one_dead_before_engine_dead(serve:
         (instance, span_attributes(span)["llm.request.incomplete"])
         for span, instance in zip(serve.receiver.spans, serve.receiver.instances)
     }
-    assert ends == {("serve-w-engine-0", "shutdown"), ("serve-w-engine-1", "engine_dead")}
+    assert ends == {("serve-w-engine-0", "engine_dead"), ("serve-w-engine-1", "shutdown")}
     assert _spans_by_instance(serve.receiver) == {
-        "serve-w-engine-0": ["e0-r0", "e0-r1", "e0-r2"],
-        "serve-w-engine-1": ["e1-r0", "e1-r1"],
+        "serve-w-engine-0": ["e0-r0", "e0-r1"],
+        "serve-w-engine-1": ["e1-r0", "e1-r1", "e1-r2"],
     }

@@ -1,4 +1,4 @@
-"""``python -m bench.vllm.rust [--pairs N] [--blocks N] [--requests N] [--settle S] [--out PATH]``
+"""``python -m bench.vllm.rust [--pairs N] [--blocks N] [--requests N] [--settle S] [--tenants N] [--out PATH]``
 (in .venv-vllm-cpu)
 
 What otel-llm costs vLLM's real CPU engine under vLLM's Rust frontend (``vllm serve`` with
@@ -23,6 +23,11 @@ span export falls in), and the engine core's step times during the load. Pairs o
 seeded load, one server then the other (the order alternating per pair), never both at once; the
 ratio otel / stock per pair, and the median over pairs. The servers are started again for each
 block of pairs. The result goes into bench/results.json under ``vllm_rust``.
+
+``--tenants N``: what a tenant source adds. Both servers schedule by priority
+(``--scheduling-policy priority``) and every load has N priority classes; the two servers are the
+plugin without a tenant source (``otel``) and with ``OTEL_LLM_TENANT=priority``
+(``otel_tenants``). The result goes under ``vllm_rust_tenants``.
 """
 
 from __future__ import annotations
@@ -30,4 +35,5 @@ from __future__ import annotations
 from pathlib import Path
 
 KEY = "vllm_rust"
+TENANTS_KEY = "vllm_rust_tenants"  # --tenants N: the plugin with a tenant source against the plugin without
 SITE = Path(__file__).resolve().parent / "server_site"  # on the servers' PYTHONPATH

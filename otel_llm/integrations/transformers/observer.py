@@ -65,9 +65,13 @@ class _Request:
 class BatchObserver:
     """Translate one engine's state changes into events for an ``EngineTelemetry``."""
 
-    def __init__(self, telemetry: Any, carriers: Any, max_requests: int, client_ids: Any = None) -> None:
+    def __init__(
+        self, telemetry: Any, carriers: Any, max_requests: int, client_ids: Any = None, tenant_facts: Any = None
+    ) -> None:
         self.telemetry = telemetry
         self._carriers = carriers  # request id -> W3C carrier, filled by add_request (caller's thread)
+        # request id -> the tenant facts of its HTTP request (transformers serve), filled likewise
+        self._tenant_facts = tenant_facts if tenant_facts is not None else {}
         # transformers' request id -> the client's (transformers serve's engine process): the
         # telemetry names the request by the latter, from its arrival to its finish.
         self._client_ids = client_ids if client_ids is not None else {}
@@ -107,6 +111,7 @@ class BatchObserver:
                 prompt_tokens=len(state.initial_tokens),
                 max_tokens=max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else 0,
                 trace_context=self._carriers.pop(rid, None),
+                tenant_facts=self._tenant_facts.pop(rid, None),
             ),
             RequestEvent(EventType.QUEUED, rid, ts),
         )

@@ -292,6 +292,10 @@ class Load:
     traced: bool = True  # send a traceparent header with each request
     extra_headers: dict[int, dict[str, str]] = field(default_factory=dict)  # per request index
     priorities: int = 0  # above 0: request i asks for priority i % priorities (vLLM's priority scheduling)
+    models: tuple[str, ...] = ()  # request i asks for models[i % len(models)] (LoRA adapters), else the model
+
+    def model(self, index: int) -> str:
+        return self.models[index % len(self.models)] if self.models else MODEL_NAME
 
     def prompts(self) -> list[list[int]]:
         rng = random.Random(self.seed)
@@ -309,7 +313,13 @@ async def _complete(
     if load.traced:
         headers["traceparent"], result.trace_id, result.parent_span_id = traceparent(index, load.seed)
     headers.update(load.extra_headers.get(index, {}))
-    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": load.max_tokens, "temperature": 0, "ignore_eos": True}
+    body = {
+        "model": load.model(index),
+        "prompt": prompt,
+        "max_tokens": load.max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     if load.priorities:
         body["priority"] = index % load.priorities
     async with semaphore:

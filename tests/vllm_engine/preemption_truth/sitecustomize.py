@@ -4,8 +4,9 @@ environment. Every process loads it at start; the engine core, the one whose sch
 appends one JSON line per preemption to the file: the victim (vLLM's internal request id), its
 preemption count after it, and why: inside ``schedule()``, the request whose
 ``kv_cache_manager.allocate_slots`` call came last (the one the preemption makes room for);
-inside ``reset_prefix_cache``, a cache reset; and the scheduling priority of the victim and of
-that request. (otel-llm reads the scheduler's frame instead.)
+inside ``reset_prefix_cache``, a cache reset; and the scheduling priority and the LoRA adapter's
+name (None for the base model) of the victim and of that request. (otel-llm reads the
+scheduler's frame instead.)
 
 Loaded as ``sitecustomize``: vLLM is patched when its scheduler module is first imported.
 """
@@ -65,12 +66,19 @@ def _patch(module):
             # The scheduling priorities of both, as the scheduler holds them.
             "victim_priority": request.priority,
             "cause_priority": self.requests[cause].priority if cause in self.requests else None,
+            # Their LoRA adapters' names, as the scheduler holds them.
+            "victim_lora": _lora(request),
+            "cause_lora": _lora(self.requests[cause]) if cause in self.requests else None,
         }
         with open(TRUTH, "a") as f:
             f.write(json.dumps(line) + "\n")
         return result
 
     scheduler.schedule, scheduler.reset_prefix_cache, scheduler._preempt_request = scheduling, resetting, preempting
+
+
+def _lora(request):
+    return request.lora_request.lora_name if request.lora_request is not None else None
 
 
 class _Finder(importlib.abc.MetaPathFinder):

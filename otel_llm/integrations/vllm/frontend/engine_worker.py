@@ -87,7 +87,7 @@ def serve(control: socket.socket, registry: Any, consumer: Any, parent: int) -> 
                 return
             if kind in (COLLECT, STOPPING):
                 if kind == STOPPING:
-                    consumer.stopping()
+                    consumer.serve_stopping()
                 answer = list(registry.collect()) if kind == COLLECT else True
                 payload = pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL)
                 try:

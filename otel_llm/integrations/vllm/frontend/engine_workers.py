@@ -11,10 +11,9 @@ Prometheus endpoint: each worker's families are asked for on each scrape (at mos
 ends early is said once and its socket removed: its engine core's next connection goes to the
 serve's consumer, which takes the engine over (what was sent meanwhile counted lost). Where the
 launch point is not found, or a worker cannot start, its engines are recorded on the serve's
-thread as with one engine, said once; never an exception into vLLM. Where vLLM stops its engine
-cores (``CoreEngineProcManager.shutdown``: under data parallelism it kills them at once, before
-their goodbye), every consumer is told which it stops (those still running), so that their
-requests in flight end ``shutdown``, and those of an engine core that died before ``engine_dead``.
+thread as with one engine, said once; never an exception into vLLM. When the serve is asked to
+stop (:mod:`.serve_stop`), each worker is told before vLLM stops the engine cores, as the serve's
+own consumer is.
 """
 
 from __future__ import annotations
@@ -24,13 +23,11 @@ import logging
 import os
 import pickle
 import select
-import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-import weakref
 from typing import Any, Iterable, Iterator, Optional
 
 from otel_llm.export.handle import SHUTDOWN_TIMEOUT_MILLIS
@@ -43,9 +40,6 @@ COLLECT_TIMEOUT_S = 2.0  # a scrape waits this long at most for a worker's famil
 # A worker's end waits for its flush: two export stages, each bounded by the handle's timeout.
 CLOSE_WAIT_S = 2 * SHUTDOWN_TIMEOUT_MILLIS / 1000 + 5
 
-# An engine core's exit code (multiprocessing's) when the serve stops it: running still, or ended
-# by the signal sent to the serve's group, or cleanly. Any other (SIGKILL, a crash) is a death.
-STOPPED = (None, 0, -signal.SIGTERM, -signal.SIGINT)
 _installed: list[tuple[type, str, Any]] = []  # (class, name, vLLM's own): what install replaced
 
 
@@ -107,8 +101,8 @@ class EngineWorker:
         return self._ask(timeout_s) is not None
 
     def tell_stopping(self) -> None:
-        """The serve is about to stop the engine cores: the worker's consumer told, and its answer
-        waited for (at most :data:`COLLECT_TIMEOUT_S`), before any engine core is stopped."""
+        """The serve was asked to stop: the worker's consumer told, and its answer waited for (at
+        most :data:`COLLECT_TIMEOUT_S`), before vLLM stops any engine core."""
         self._ask(COLLECT_TIMEOUT_S, engine_worker.STOPPING)
 
     def _ask(self, timeout_s: float, kind: bytes = engine_worker.COLLECT) -> Optional[Any]:
@@ -222,43 +216,31 @@ def install(consumer: Any) -> bool:
     try:
         from vllm.v1.engine.utils import CoreEngineProcManager
 
-        launch, stop = CoreEngineProcManager.__init__, CoreEngineProcManager.shutdown
+        launch = CoreEngineProcManager.__init__
         signature = inspect.signature(launch)
         missing = {"local_engine_count", "start_index"} - set(signature.parameters)
         if missing:
             raise LookupError(f"it takes no {', '.join(sorted(missing))}")
     except Exception as exc:  # noqa: BLE001 - any vLLM that differs: one thread records every engine
         _log.warning(
-            "otel-llm: vLLM's CoreEngineProcManager(local_engine_count, start_index, ...) and its shutdown not "
-            "usable (%s): every engine's stream is recorded in this process, on one thread",
+            "otel-llm: vLLM's CoreEngineProcManager(local_engine_count, start_index, ...) not usable (%s): every "
+            "engine's stream is recorded in this process, on one thread",
             exc,
         )
         return False
-
-    first_index: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
-
-    def stop_engines(self: Any, *args: Any, **kwargs: Any) -> Any:
-        try:  # by index, the engine cores this stops: running, or ended by the signal that stops the serve
-            start = first_index[self]
-            consumer.stopping([start + i for i, p in enumerate(self.processes) if p.exitcode in STOPPED])
-        except Exception as exc:  # noqa: BLE001 - never into vLLM's shutdown: their ends judged as without it
-            _log.warning("otel-llm: telling the consumers which engines stop failed (%r)", exc)
-        return stop(self, *args, **kwargs)
 
     def launch_engines(self: Any, *args: Any, **kwargs: Any) -> None:
         try:
             arguments = signature.bind(self, *args, **kwargs).arguments
             count, start = int(arguments["local_engine_count"]), int(arguments["start_index"])
-            first_index[self] = start
             if count > 1:
                 start_workers(consumer, range(start + 1, start + count))
         except Exception as exc:  # noqa: BLE001 - never into vLLM's launch
             _log.warning("otel-llm: starting the engines' recording processes failed (%r): this one records them", exc)
         launch(self, *args, **kwargs)
 
-    _installed.extend([(CoreEngineProcManager, "__init__", launch), (CoreEngineProcManager, "shutdown", stop)])
+    _installed.append((CoreEngineProcManager, "__init__", launch))
     CoreEngineProcManager.__init__ = launch_engines
-    CoreEngineProcManager.shutdown = stop_engines
     return True
 
 

@@ -51,11 +51,12 @@ def start(environ: Mapping[str, str] = os.environ) -> bool:
     # vllm serve's own process makes the folder; every process it starts, however (its engine
     # cores, Ray's workers for data parallelism), inherits it while vllm serve runs.
     if inherited is None:
-        from otel_llm.integrations.vllm.frontend import engine_workers
+        from otel_llm.integrations.vllm.frontend import engine_workers, serve_stop
         from otel_llm.integrations.vllm.frontend.stream_consumer import StreamConsumer
 
         consumer = StreamConsumer(path).start()
         _started.append(consumer)
+        serve_stop.watch(consumer.serve_stopping)
         _log.info("otel-llm: %s=1: recording vLLM's engine-core stream in this process", RUST_FRONTEND_ENV)
         engine_workers.install(consumer)  # with several local engines, each after the first in a process of its own
     else:

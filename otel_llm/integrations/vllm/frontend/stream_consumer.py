@@ -35,7 +35,7 @@ import signal
 import socket
 import threading
 import time
-from typing import Any, Callable, Collection, Optional
+from typing import Any, Callable, Optional
 
 from otel_llm.catalogue import drops
 from otel_llm.config.tenants import SOURCES_BY_ENTRY_POINT
@@ -107,7 +107,6 @@ class StreamConsumer:
         self._serve_on = serve_on
         self._instance_id = instance_id
         self._workers: list[Any] = []  # engine_workers.EngineWorker: the engines recorded elsewhere
-        self._stopped: Optional[set[int]] = set()  # engines the serve stops itself (None: every one)
         self._causes = cause_channel.Receiver(folder)
         self._cause_book: dict[tuple[str, int], cause_channel.CauseRecord] = {}
         self._uncredited: list[tuple[cause_channel.CauseRecord, int]] = []  # with the drains it waited
@@ -122,6 +121,7 @@ class StreamConsumer:
         self._reader = FieldReader(_log)
         self.unreadable = 0  # frames skipped: they could not be decoded or translated
         self._stop = threading.Event()
+        self._serve_stopping = False  # vLLM was asked to stop: engine cores it kills did not die
         self._lock = threading.Lock()  # the thread's work and close() never interleave
         self._thread = threading.Thread(target=self._run, name="otel-llm engine stream", daemon=True)
 
@@ -358,19 +358,6 @@ class StreamConsumer:
             if endpoint is not None:
                 worker.serve_on(endpoint.registry)
 
-    def stopping(self, alive: Optional[Collection[int]] = None) -> None:
-        """The serve is about to stop the engine cores ``alive`` (None: every one; those running,
-        or ended by the signal that stops the serve); vLLM kills them at once under data
-        parallelism, before their goodbye. Their connections' end then ends
-        their requests ``shutdown``; an engine core that died before stays ``engine_dead``, its
-        connection ending late or not (its own children may hold it open until they are stopped).
-        The engines' own processes are told first, each answering once it knows."""
-        for worker in list(self._workers):
-            if alive is None or worker.engine in alive:
-                worker.tell_stopping()
-        # Not under the lock: the thread may hold it for a long read, and a worker must answer at once.
-        self._stopped = None if alive is None else set(alive)
-
     def warm(self) -> None:
         """Load what decoding the first outputs needs (vLLM's classes) now, while the engine cores
         load their model, rather than at their first outputs."""
@@ -395,8 +382,7 @@ class StreamConsumer:
         self._by_index.pop(engine.index, None)
         engine.translator.settle(float("inf"))
         if engine.translator.drain():
-            stopped = self._stopped is None or engine.index in self._stopped
-            engine.telemetry.end_in_flight(SHUTDOWN if engine.clean or stopped else ENGINE_DEAD)
+            engine.telemetry.end_in_flight(SHUTDOWN if engine.clean or self._serve_stopping else ENGINE_DEAD)
 
     def _settle(self, until: float) -> None:
         for engine in self._by_index.values():
@@ -404,6 +390,15 @@ class StreamConsumer:
                 engine.telemetry.flush()  # an engine core gone idle sends no step that would apply them
 
     # -- at exit ------------------------------------------------------------------------
+
+    def serve_stopping(self) -> None:
+        """vLLM was asked to stop (SIGTERM, SIGINT) and stops its engine cores: one that ends
+        without its goodbye from now on (held, or too slow for vLLM's shutdown timeout, and
+        killed) was stopped, not dead: its requests end marked ``shutdown``. The engines' own
+        processes are told first, each answering once it knows."""
+        for worker in list(self._workers):
+            worker.tell_stopping()
+        self._serve_stopping = True
 
     def close(self) -> None:
         """Stop; the requests still in flight end marked ``shutdown``; everything flushed."""
