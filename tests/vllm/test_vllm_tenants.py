@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import tempfile
 import time
+import urllib.request
 from typing import Any, Iterator, Optional
 
 import pytest
@@ -344,3 +345,75 @@ def test_a_header_or_baggage_source_is_refused_under_the_python_frontend(
             )
         finally:
             built.shutdown()
+
+
+def _endpoint_samples(port: int) -> dict[tuple[str, frozenset], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name.startswith("vllm:") and not s.name.endswith("_created")
+    }
+
+
+def test_beside_vllms_logger_the_per_tenant_series_are_recorded_and_the_others_read(
+    vllm_config: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the providers the plugin builds, beside vLLM's own logger (whose per-step series it
+    reads at collection): with a tenant source, the steps with request outputs are kept and their
+    latencies and tokens recorded by tenant, summing to vLLM's; the other per-step series (the
+    preemption counter, the iteration tokens, the gauges) are still vLLM's, read."""
+    from prometheus_client import REGISTRY, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+    from vllm.v1.metrics.prometheus import unregister_vllm_metrics
+
+    from otel_llm.integrations import vllm as plugin
+    from otel_llm.integrations.vllm.frontend import deep_hook
+    from otel_llm.integrations.vllm.frontend.adapter import Keeping
+
+    for var, value in (
+        ("OTEL_METRICS_EXPORTER", "prometheus"),
+        ("OTEL_EXPORTER_PROMETHEUS_PORT", "0"),
+        ("OTEL_LLM_VLLM_DEEP_HOOK", "1"),
+        ("OTEL_LLM_TENANT", "priority"),
+    ):
+        monkeypatch.setenv(var, value)
+    plugin.reset()
+    unregister_vllm_metrics()
+    try:
+        manager, ours = plugin_manager(vllm_config)
+        impl = ours._impl
+        assert (impl.steps_read, impl.keeping) == (True, Keeping.ITERATIONS)
+        specs = default_specs()
+        for i, spec in enumerate(specs):
+            spec.priority = i % 3
+        run(manager, {0: build(specs, time.monotonic(), time.time())})
+        got = _endpoint_samples(impl.handle.prometheus_port)
+        expected = {
+            (s.name, frozenset(s.labels.items())): s.value
+            for f in text_string_to_metric_families(generate_latest(REGISTRY).decode())
+            for s in f.samples
+            if s.name.startswith("vllm:") and not s.name.endswith("_created")
+        }
+    finally:
+        plugin.reset()
+        deep_hook.uninstall()
+        unregister_vllm_metrics()
+    tenant = {s.rid: str(s.priority) for s in specs}
+    step_names = {n for f in STEP_FAMILIES for n in (f + "_bucket", f + "_sum", f + "_count", f + "_total")}
+    per_tenant = {k: v for k, v in got.items() if k[0] in step_names}
+    assert {dict(k[1]).get("tenant") for k, v in per_tenant.items() if v} == {"0", "1", "2"}
+    assert _by_tenant(per_tenant, "vllm:generation_tokens_total") == {
+        (t, None): sum(s.tokens for s in specs if tenant[s.rid] == t) for t in ("0", "1", "2")
+    }
+    summed = _unlabelled({k: v for k, v in per_tenant.items() if "tenant" in dict(k[1])})
+    theirs = _unlabelled({k: v for k, v in expected.items() if k[0] in step_names})
+    assert set(summed) == set(theirs)
+    for key, value in theirs.items():
+        assert summed[key] == (pytest.approx(value, abs=1e-9) if key[0].endswith("_sum") else value), key
+    read = ("vllm:num_preemptions_total", "vllm:iteration_tokens_total_sum", "vllm:num_requests_running")
+    assert {k: v for k, v in got.items() if k[0] in read} == {k: v for k, v in expected.items() if k[0] in read}
