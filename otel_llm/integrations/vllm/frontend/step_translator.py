@@ -140,8 +140,7 @@ class StepTranslator:
         def tenant_of(trace: Optional[RequestTrace]) -> str:
             if trace is None:
                 return telemetry.tenant_of(None) or tenants.UNSET
-            if trace.tenant is None:  # resolved once per request
-                trace.tenant = telemetry.tenant_of(trace.tenant_facts) or tenants.UNSET
+            trace.tenant = telemetry.tenant_of(trace.tenant_facts) or tenants.UNSET  # once per request
             return trace.tenant
 
         for s in iterations:

@@ -9,9 +9,9 @@ was prefilling, else one inter-token latency, and adds the output's new tokens a
 its prompt tokens. A wrapper (:func:`wrapper`, installed by the deep hook only when a tenant
 source needs it) notes each call's ``(req_stats, is_prefilling, output)`` on the
 ``IterationStats``; the step translator (:func:`split`) pairs the notes with vLLM's values in
-order, each request's tenant from the trace the deep hook keeps on its ``req_stats``. Where the
-notes do not account for vLLM's values exactly (a vLLM that computes them otherwise), the step
-is recorded under the tenant of a request with no facts, said once: the sums stay vLLM's.
+order, each request's tenant from the trace the deep hook keeps on its ``req_stats``. Values the
+notes do not account for (a vLLM that computes them otherwise) are recorded under the tenant of a
+request with no facts, said once: summed over tenant, each series stays vLLM's.
 """
 
 from __future__ import annotations
@@ -71,79 +71,65 @@ class TenantStep:
         self.prompt_tokens = 0
         self.generation_tokens = 0
 
-    def add(self, other: "TenantStep") -> None:
-        self.ttfts += other.ttfts
-        self.itls += other.itls
-        self.prompt_tokens += other.prompt_tokens
-        self.generation_tokens += other.generation_tokens
-
 
 def split(
     it: Any, reader: FieldReader, tenant_of: Callable[[Optional[RequestTrace]], str], into: dict[str, TenantStep]
 ) -> None:
     """Add one ``IterationStats``' values to ``into``, by tenant (``tenant_of`` a request's trace,
-    None for a request without one)."""
-    whole = TenantStep()
-    whole.ttfts = list(reader.sequence(it, _TTFTS.vllm, _TTFTS.metric))
-    whole.itls = list(reader.sequence(it, _ITLS.vllm, _ITLS.metric))
-    whole.prompt_tokens = int(reader.number(it, _PROMPT.vllm, _PROMPT.metric) or 0)
-    whole.generation_tokens = int(reader.number(it, _GENERATION.vllm, _GENERATION.metric) or 0)
-    if not (whole.ttfts or whole.itls or whole.prompt_tokens or whole.generation_tokens):
-        return
+    None for a request without one): each value to the tenant of the output it was noted with,
+    in order; without notes, every value to the tenant of a request with no facts. A value no
+    note accounts for (a vLLM that computes them otherwise) goes there too, said once. Once per
+    engine step on vLLM's event loop: fields read directly, through the reader only when one is
+    gone."""
+    try:
+        ttfts, itls = it.time_to_first_tokens_iter, it.inter_token_latencies_iter
+        prompt, generation = it.num_prompt_tokens, it.num_generation_tokens
+    except AttributeError:
+        ttfts = reader.sequence(it, _TTFTS.vllm, _TTFTS.metric)
+        itls = reader.sequence(it, _ITLS.vllm, _ITLS.metric)
+        prompt = int(reader.number(it, _PROMPT.vllm, _PROMPT.metric) or 0)
+        generation = int(reader.number(it, _GENERATION.vllm, _GENERATION.metric) or 0)
     notes = getattr(it, NOTES_ATTR, None)
-    parts = _by_note(notes, whole, tenant_of, reader) if notes else None
-    if parts is None:
-        parts = {tenant_of(None): whole}
-    for tenant, part in parts.items():
-        mine = into.get(tenant)
-        if mine is None:
-            into[tenant] = part
-        else:
-            mine.add(part)
-
-
-def _by_note(
-    notes: list[tuple[Any, Any, Any]],
-    whole: TenantStep,
-    tenant_of: Callable[[Optional[RequestTrace]], str],
-    reader: FieldReader,
-) -> Optional[dict[str, TenantStep]]:
-    """vLLM's values of one step (``whole``) by the tenant of each note's request, in order; None
-    where the notes do not account for them exactly."""
-    parts: dict[str, TenantStep] = {}
-    ttfts, itls = whole.ttfts, whole.itls
-    n_ttft = n_itl = prompt = generation = 0
-    for req_stats, prefilling, output in notes:
-        trace = getattr(req_stats, TRACE_ATTR, None)
-        tenant = tenant_of(trace if isinstance(trace, RequestTrace) else None)
-        part = parts.get(tenant)
-        if part is None:
-            part = parts[tenant] = TenantStep()
-        new_tokens = getattr(output, "new_token_ids", None)
-        tokens = len(new_tokens) if new_tokens is not None else 0
-        generation += tokens
-        part.generation_tokens += tokens
-        if prefilling:
-            if n_ttft < len(ttfts):
+    n_ttft = n_itl = prompt_seen = generation_seen = 0
+    try:
+        for req_stats, prefilling, output in notes or ():
+            trace = getattr(req_stats, TRACE_ATTR, None)
+            tenant = trace.tenant if trace is not None else None
+            if tenant is None:
+                tenant = tenant_of(trace)
+            part = into.get(tenant)
+            if part is None:
+                part = into[tenant] = TenantStep()
+            tokens = len(output.new_token_ids)
+            part.generation_tokens += tokens
+            generation_seen += tokens
+            if prefilling:
                 part.ttfts.append(ttfts[n_ttft])
-            n_ttft += 1
-            count = getattr(getattr(output, "prefill_stats", None), "num_prompt_tokens", 0)
-            count = count if type(count) is int else 0
-            prompt += count
-            part.prompt_tokens += count
-        else:
-            if n_itl < len(itls):
+                n_ttft += 1
+                prefill = output.prefill_stats
+                if prefill is not None:
+                    count = prefill.num_prompt_tokens
+                    part.prompt_tokens += count
+                    prompt_seen += count
+            else:
                 part.itls.append(itls[n_itl])
-            n_itl += 1
-    noted = (n_ttft, n_itl, prompt, generation)
-    theirs = (len(ttfts), len(itls), whole.prompt_tokens, whole.generation_tokens)
-    if noted != theirs:
+                n_itl += 1
+    except Exception as exc:  # noqa: BLE001 - e.g. a field of vLLM's output gone: the rest is unattributed
+        reader.warn_once("IterationStats", "update_from_output", f"notes unreadable ({exc!r}): {_UNATTRIBUTED}")
+    if (n_ttft, n_itl, prompt_seen, generation_seen) == (len(ttfts), len(itls), prompt, generation):
+        return
+    if notes is not None:
         reader.warn_once(
-            "IterationStats",
-            "update_from_output",
-            f"adds values its calls do not account for (first tokens, inter-token latencies, prompt and "
-            f"generation tokens: {noted} noted, {theirs} in vLLM's stats): such a step's values are recorded "
-            "under the tenant of a request with no facts",
+            "IterationStats", "update_from_output", f"adds values its calls do not account for: {_UNATTRIBUTED}"
         )
-        return None
-    return parts
+    rest = into.get(tenant := tenant_of(None)) or into.setdefault(tenant, TenantStep())
+    rest.ttfts += ttfts[n_ttft:]
+    rest.itls += itls[n_itl:]
+    rest.prompt_tokens += max(0, prompt - prompt_seen)
+    rest.generation_tokens += max(0, generation - generation_seen)
+
+
+_UNATTRIBUTED = (
+    "the values of such a step that no note accounts for are recorded under the tenant of a request with no "
+    "facts (summed over tenant, each series stays vLLM's)"
+)
