@@ -25,6 +25,7 @@ from otel_llm.integrations.vllm.translation.translate import ITERATION_COUNTS, I
 
 NOTES_ATTR = "_otel_llm_outputs"  # on an IterationStats: [(req_stats, is_prefilling, output)]
 _PARAMETERS = ["self", "output", "engine_core_timestamp", "is_prefilling", "req_stats"]
+_EXACT = [*_PARAMETERS, "lora_states", "lora_name"]
 _TTFTS, _ITLS = ITERATION_LATENCIES
 _PROMPT, _GENERATION = (f for f in ITERATION_COUNTS if f.ours in ("prompt_tokens", "generation_tokens"))
 
@@ -42,12 +43,10 @@ def shape_problem(stats_cls: type) -> Optional[str]:
 
 def wrapper(original: Callable, warn_once: Callable[[str, BaseException], None]) -> Callable:
     """``IterationStats.update_from_output``, noting what each call was about (the hot path:
-    one tuple per request output, nothing read)."""
+    one tuple per request output, nothing read). Where vLLM's takes exactly the seven
+    parameters of vLLM 0.32-0.34, a wrapper of that signature (half the call's cost)."""
 
-    def update_from_output(
-        self: Any, output: Any, engine_core_timestamp: Any, is_prefilling: Any, req_stats: Any, *args: Any, **kw: Any
-    ) -> Any:
-        result = original(self, output, engine_core_timestamp, is_prefilling, req_stats, *args, **kw)
+    def note(self: Any, output: Any, is_prefilling: Any, req_stats: Any) -> None:
         try:
             notes = self.__dict__.get(NOTES_ATTR)
             if notes is None:
@@ -55,6 +54,39 @@ def wrapper(original: Callable, warn_once: Callable[[str, BaseException], None])
             notes.append((req_stats, is_prefilling, output))
         except Exception as exc:  # noqa: BLE001 - never into vLLM's output processor
             warn_once("noting the tenant of a step's values", exc)
+
+    signature = inspect.signature(original)
+    exact = list(signature.parameters) == _EXACT and all(
+        p.kind is p.POSITIONAL_OR_KEYWORD and p.default is p.empty for p in signature.parameters.values()
+    )
+    if exact:
+
+        def update_from_output_exact(
+            self: Any,
+            output: Any,
+            engine_core_timestamp: Any,
+            is_prefilling: Any,
+            req_stats: Any,
+            lora_states: Any,
+            lora_name: Any,
+        ) -> Any:
+            result = original(self, output, engine_core_timestamp, is_prefilling, req_stats, lora_states, lora_name)
+            try:  # the note inlined: one call fewer per output
+                notes = self.__dict__.get(NOTES_ATTR)
+                if notes is None:
+                    notes = self.__dict__[NOTES_ATTR] = []
+                notes.append((req_stats, is_prefilling, output))
+            except Exception as exc:  # noqa: BLE001 - never into vLLM's output processor
+                warn_once("noting the tenant of a step's values", exc)
+            return result
+
+        return update_from_output_exact
+
+    def update_from_output(
+        self: Any, output: Any, engine_core_timestamp: Any, is_prefilling: Any, req_stats: Any, *args: Any, **kw: Any
+    ) -> Any:
+        result = original(self, output, engine_core_timestamp, is_prefilling, req_stats, *args, **kw)
+        note(self, output, is_prefilling, req_stats)
         return result
 
     return update_from_output
