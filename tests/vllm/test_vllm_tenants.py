@@ -417,3 +417,51 @@ def test_beside_vllms_logger_the_per_tenant_series_are_recorded_and_the_others_r
         assert summed[key] == (pytest.approx(value, abs=1e-9) if key[0].endswith("_sum") else value), key
     read = ("vllm:num_preemptions_total", "vllm:iteration_tokens_total_sum", "vllm:num_requests_running")
     assert {k: v for k, v in got.items() if k[0] in read} == {k: v for k, v in expected.items() if k[0] in read}
+
+
+def test_values_no_call_accounts_for_go_to_the_tenant_of_no_facts(caplog: pytest.LogCaptureFixture) -> None:
+    """A vLLM whose ``update_from_output`` takes another parameter and adds, after a step's last
+    call's values, an inter-token latency no call was for (no release does: made here, on vLLM's
+    real IterationStats): the general wrapper notes each call, each request's values go to its
+    tenant, the ones left over to the tenant of a request with no facts, said once; summed over
+    tenant, vLLM's values."""
+    from vllm.v1.metrics.stats import IterationStats, LoRARequestStates, RequestStateStats
+
+    from otel_llm.integrations.vllm.frontend import tenant_steps, traces
+    from otel_llm.integrations.vllm.translation.fields import FieldReader
+    from otel_llm.testing.vllm.stream import Output, Spec, engine_core_output
+
+    class Drifting(IterationStats):
+        def update_from_output(self, output, engine_core_timestamp, is_prefilling, req_stats, *args, extra=None):
+            super().update_from_output(output, engine_core_timestamp, is_prefilling, req_stats, *args)
+            if not is_prefilling and output.request_id == "b":  # after the step's last call's own
+                self.inter_token_latencies_iter.append(9.0)
+
+    Drifting.update_from_output = tenant_steps.wrapper(Drifting.update_from_output, lambda what, exc: None)
+    assert Drifting.update_from_output.__name__ == "update_from_output"  # the general form
+    requests = {}
+    for rid, priority in (("a", 0), ("b", 1)):
+        stats = RequestStateStats(arrival_time=100.0)
+        trace = traces.RequestTrace()
+        trace.tenant_facts = {"priority": priority}
+        setattr(stats, traces.TRACE_ATTR, trace)
+        requests[rid] = (Spec(rid, arrive=0, queue=0, prompt=10 + priority, tokens=3), stats)
+    into: dict[str, tenant_steps.TenantStep] = {}
+    reader = FieldReader()
+
+    def tenant_of(trace: Optional[Any]) -> str:
+        return "unset" if trace is None else str(trace.tenant_facts["priority"])
+
+    for step, ts in enumerate((200.0, 200.5, 201.25)):
+        it = Drifting()
+        it.iteration_timestamp = 100.25 + step
+        for rid, (spec, stats) in requests.items():
+            out = engine_core_output(spec, Output(step, rid, [], first=step == 0, last=step == 2))
+            it.update_from_output(out, ts, step == 0, stats, LoRARequestStates(), None)
+        tenant_steps.split(it, reader, tenant_of, into)
+    assert {t: (p.ttfts, p.itls, p.prompt_tokens, p.generation_tokens) for t, p in into.items()} == {
+        "0": ([0.25], [0.5, 0.75], 10, 3),
+        "1": ([0.25], [0.5, 0.75], 11, 3),
+        "unset": ([], [9.0, 9.0], 0, 0),
+    }
+    assert len([r for r in caplog.records if "do not account for" in r.getMessage()]) == 1
