@@ -95,7 +95,7 @@ class StepTranslator:
         self._last_sched: Optional[tuple[int, int, float]] = None  # (running, waiting, usage)
 
     def __call__(self, telemetry: EngineTelemetry, steps: Sequence[VllmStep]) -> None:
-        if self.series is not None:
+        if self.series is not None and self.series.reader is None:  # read from vLLM's logger: nothing to run
             for s in steps:
                 self.series.run(
                     "record",
