@@ -109,9 +109,8 @@ class VllmAdapter:
         self.deep_hook = vllm_deep_hook.enabled() and vllm_deep_hook.install()
         # Only a source that differs by request needs each value's request noted (the model is
         # every request's under this frontend).
-        self.tenant_notes = (
-            source is not None and source.kind != "model" and self.deep_hook and vllm_deep_hook.note_tenants()
-        )
+        if source is not None and source.kind != "model" and self.deep_hook:
+            vllm_deep_hook.note_tenants()
         if self.deep_hook:
             vllm_deep_hook.listen(self.stopped)
             attribution.start()
