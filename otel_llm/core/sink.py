@@ -271,11 +271,16 @@ class RequestSink:
                 _bounded_put(self._finished_causes, summary.request_id, spans.context(span))
             spans.end(span, summary, extra)
 
-    def summary_finished(self, summary: RequestSummary, carrier: Any, metrics: bool, span: bool = True) -> None:
+    def summary_finished(
+        self, summary: RequestSummary, carrier: Any, metrics: bool, span: bool = True, matrix: bool = True
+    ) -> None:
         """A request known only by its summary: its span (from arrival to finish, with the
         preemptions the summary lists) unless ``span`` is False, and, unless ``metrics`` is
         False, its observations. With a tenant source, its tenant's series, and its preemptions
-        counted in the tenant matrix at its finish."""
+        counted in the tenant matrix at its finish (unless ``matrix`` is False: counted
+        already), also when ``metrics`` is False (a request the engine's own metrics do not
+        count: the matrix still sums to every preemption); such a request aborted by its client
+        (``incomplete`` None) adds its output tokens to ``aborted_generation_tokens``."""
         series: Optional[RequestSeries] = self.metrics if metrics else None
         tenant = cause_tenants = None
         if self.tenants is not None:
@@ -283,11 +288,14 @@ class RequestSink:
             cause_tenants = self._cause_tenants(summary, tenant)
             if summary.num_preemptions_caused:
                 _bounded_put(self._finished_tenants, summary.request_id, tenant)
-            if metrics:
-                tenant_series = self.metrics.for_tenant(tenant)
+            tenant_series = self.metrics.for_tenant(tenant)
+            if matrix:
                 for cause_tenant in cause_tenants:
                     tenant_series.preempted_by_tenant(cause_tenant)
+            if metrics:
                 series = tenant_series
+            elif summary.finish_reason == "abort" and summary.incomplete is None:
+                tenant_series.aborted_tokens(summary.generation_tokens)
         if not span:
             self._reserved.pop(summary.request_id, None)
             if series is not None:

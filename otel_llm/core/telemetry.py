@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import deque
-from typing import Any, Iterable, Optional, Protocol, Sequence, Union
+from typing import Any, Iterable, Mapping, Optional, Protocol, Sequence, Union
 
 from opentelemetry import metrics as metrics_api
 
@@ -252,15 +252,22 @@ class EngineTelemetry:
             self._sink.metrics.dropped(drops.INTERNAL_ERROR, len(steps) - 1)
 
     def record_finished(
-        self, summary: RequestSummary, trace_context: Optional[Any] = None, metrics: bool = True, span: bool = True
+        self,
+        summary: RequestSummary,
+        trace_context: Optional[Any] = None,
+        metrics: bool = True,
+        span: bool = True,
+        matrix: bool = True,
     ) -> None:
         """Per-request histograms, ``request_success`` and one span, from a finished request;
         ``trace_context``: the caller's W3C carrier (``traceparent``), parent of the span;
-        ``metrics=False``: the span only (a request the engine's own metrics do not count);
-        ``span=False``: the metrics only (a request whose span was already ended)."""
+        ``metrics=False``: the span, and with a tenant source the tenant matrix and aborted
+        tokens, only (a request the engine's own metrics do not count); ``span=False``: the
+        metrics only (a request whose span was already ended); ``matrix=False``: its preemptions
+        are not counted in the tenant matrix (they were, at its span)."""
         try:
             with self.metrics.lock:
-                self._sink.summary_finished(summary, trace_context, metrics, span)
+                self._sink.summary_finished(summary, trace_context, metrics, span, matrix)
         except Exception:  # noqa: BLE001 - never into the engine
             self._sink.internal_error(summary)
 
@@ -283,19 +290,32 @@ class EngineTelemetry:
         generation_tokens: int = 0,
         num_preemptions: int = 0,
         preemption_reason: str = "kv_cache_full",
+        tenant: Optional[str] = None,
     ) -> None:
-        """Per-iteration observations that are not tied to a request span."""
+        """Per-iteration observations that are not tied to a request span; ``tenant``: the
+        latencies and tokens are that tenant's (:meth:`tenant_of`), the preemptions no one's."""
         try:
             with self.metrics.lock:
                 m = self.metrics
+                series = m if tenant is None else m.for_tenant(tenant)
                 exemplar = self._sink.spanless_exemplar
-                m.latencies(tuple(ttfts), tuple(itls), exemplar, EMPTY_CONTEXT)
-                m.prompt_tokens(prompt_tokens)
-                m.tokens(generation_tokens, None, exemplar, EMPTY_CONTEXT)
+                series.latencies(tuple(ttfts), tuple(itls), exemplar, EMPTY_CONTEXT)
+                series.prompt_tokens(prompt_tokens)
+                series.tokens(generation_tokens, None, exemplar, EMPTY_CONTEXT)
                 for _ in range(num_preemptions):
                     m.preempted(preemption_reason, 0)
         except Exception:  # noqa: BLE001 - never into the engine
             self._sink.internal_error(None)
+
+    def tenant_of(self, facts: Optional[Mapping[str, Any]]) -> Optional[str]:
+        """The tenant label of a request whose engine hands over ``facts``
+        (``RequestEvent.tenant_facts``); None without a tenant source. Under the lock that
+        applies events (the resolver counts the distinct tenants)."""
+        resolver = self._sink.tenants
+        if resolver is None:
+            return None
+        with self.metrics.lock:
+            return resolver.resolve(facts, None)
 
     def credit_causes(self, victim: str, ordinal: int, cause_ids: Sequence[str]) -> None:
         """Credit the causes of ``victim``'s ``ordinal``-th preemption, whose event (naming

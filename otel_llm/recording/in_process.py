@@ -199,6 +199,18 @@ class _RequestObservations:
         if itl is not None:
             self.h_itl.observe(itl, exemplar)
 
+    def latencies(
+        self, ttfts: Sequence[float], itls: Sequence[float], exemplar: Optional[ExemplarIds], ctx: Any
+    ) -> None:
+        if exemplar is None:
+            self.h_ttft.observe_many(ttfts)
+            self.h_itl.observe_many(itls)
+            return
+        for value in ttfts:
+            self.h_ttft.observe(value, exemplar)
+        for value in itls:
+            self.h_itl.observe(value, exemplar)
+
     def finished(self, summary: RequestSummary, exemplar: Optional[ExemplarIds], ctx: Any) -> None:
         finish_reason = summary.finish_reason
         reason = self._limit_finish(finish_reason)
@@ -253,6 +265,9 @@ class InProcessTenantSeries(_RequestObservations):
 
     def preempted_by_tenant(self, cause_tenant: str) -> None:
         self.by_cause_tenant[cause_tenant] = self.by_cause_tenant.get(cause_tenant, 0) + 1
+
+    def aborted_tokens(self, n: int) -> None:
+        self.counts["aborted_generation_tokens"] += n
 
     def counter_values(self, key: str) -> list[tuple[dict[str, str], int]]:
         if key in self.counts:
@@ -376,18 +391,6 @@ class InProcessRecorder(_RequestObservations):
 
     def dropped(self, reason: str, n: int = 1) -> None:
         self.drops[reason] = self.drops.get(reason, 0) + n
-
-    def latencies(
-        self, ttfts: Sequence[float], itls: Sequence[float], exemplar: Optional[ExemplarIds], ctx: Any
-    ) -> None:
-        if exemplar is None:
-            self.h_ttft.observe_many(ttfts)
-            self.h_itl.observe_many(itls)
-            return
-        for value in ttfts:
-            self.h_ttft.observe(value, exemplar)
-        for value in itls:
-            self.h_itl.observe(value, exemplar)
 
     def show_zero_series(self, finish_reasons: Iterable[str], histograms: Iterable[str]) -> None:
         for reason in finish_reasons:

@@ -42,11 +42,20 @@ class RequestSeries(Protocol):
     def ttft(self, seconds: float, exemplar: Optional[ExemplarIds], ctx: Any) -> None: ...
     def tokens(self, n: int, itl: Optional[float], exemplar: Optional[ExemplarIds], ctx: Any) -> None: ...
     def finished(self, summary: RequestSummary, exemplar: Optional[ExemplarIds], ctx: Any) -> None: ...
+    def latencies(
+        self, ttfts: Sequence[float], itls: Sequence[float], exemplar: Optional[ExemplarIds], ctx: Any
+    ) -> None:
+        """An engine step's TTFT and inter-token latency observations, not tied to one request."""
+        ...
 
 
 class TenantRequestSeries(RequestSeries, Protocol):
     def preempted_by_tenant(self, cause_tenant: str) -> None:
         """One preemption of a request of this tenant, caused by a request of ``cause_tenant``."""
+        ...
+
+    def aborted_tokens(self, n: int) -> None:
+        """The output tokens of an aborted request the engine's own metrics do not count."""
         ...
 
 
@@ -82,9 +91,7 @@ class Recorder(Protocol):
     def dropped(self, reason: str, n: int = 1) -> None: ...
     def latencies(
         self, ttfts: Sequence[float], itls: Sequence[float], exemplar: Optional[ExemplarIds], ctx: Any
-    ) -> None:
-        """An engine step's TTFT and inter-token latency observations, not tied to one request."""
-        ...
+    ) -> None: ...
 
     def show_zero_series(self, finish_reasons: Iterable[str], histograms: Iterable[str]) -> None:
         """Export series from now on, at zero until observed (as vLLM's logger does): dashboards

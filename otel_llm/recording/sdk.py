@@ -174,6 +174,14 @@ class SdkTenantSeries:
         if itl is not None:
             i["inter_token_latency_seconds"].record(itl, self.attributes, context=ctx)
 
+    def latencies(
+        self, ttfts: Sequence[float], itls: Sequence[float], exemplar: Optional[ExemplarIds], ctx: Any
+    ) -> None:
+        for value in ttfts:
+            self.ttft(value, exemplar, ctx)
+        for value in itls:
+            self.tokens(0, value, exemplar, ctx)
+
     def finished(self, summary: RequestSummary, exemplar: Optional[ExemplarIds], ctx: Any) -> None:
         self.recorder.finished_as(summary, ctx, self.attributes, self._error_attributes)
 
@@ -181,3 +189,6 @@ class SdkTenantSeries:
         self.recorder.i["num_preemptions_by_tenant"].add(
             1, {**self.attributes, self.recorder._cause_tenant_key: cause_tenant}
         )
+
+    def aborted_tokens(self, n: int) -> None:
+        self.recorder.i["aborted_generation_tokens"].add(n, self.attributes)

@@ -175,15 +175,21 @@ def test_every_per_request_series_says_the_same_on_both_paths(two_paths: tuple[A
             assert value == pytest.approx(timed_theirs[key], abs=SLACK_S * count), key
 
 
-# The request-scoped series the stat-logger path labels by tenant (a request's summary at its
-# finish); its per-step series name no request.
+# The request-scoped series both paths label by tenant: a request's summary at its finish, and
+# the per-step latencies and tokens (split by the request each came from on the stat-logger path).
 PER_TENANT = {
     "vllm:request_num_preemptions",
     "vllm:request_success",
     "vllm:num_preemptions_by_tenant",
     "vllm:e2e_request_latency_seconds",
     "vllm:request_queue_time_seconds",
+    "vllm:time_to_first_token_seconds",
+    "vllm:inter_token_latency_seconds",
+    "vllm:prompt_tokens",
+    "vllm:generation_tokens",
 }
+# Read from the two clocks apart (TIMED): a value on a bucket's boundary may fall on either side.
+CLOCKED = {"vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds"}
 
 
 @pytest.mark.parametrize("source", ["priority", "lora"])
@@ -192,7 +198,8 @@ def test_both_paths_give_each_request_the_same_tenant(
 ) -> None:
     """The same priorities and adapters, handed over by the engine core's tap on one path and
     by vLLM's output processor on the other: the same tenant on each span, the same counts per
-    tenant (no cause record here: every cause is ``none`` on both)."""
+    tenant, the per-step latencies and tokens included (no cause record here: every cause is
+    ``none`` on both)."""
     monkeypatch.setenv("OTEL_LLM_VLLM_DEEP_HOOK", "1")
     specs = default_specs()
     for i, spec in enumerate(specs):
@@ -206,7 +213,11 @@ def test_both_paths_give_each_request_the_same_tenant(
     ours, theirs = otel_samples(frontend.reader, PER_TENANT), otel_samples(streamed.reader, PER_TENANT)
     labelled = {k: v for k, v in ours.items() if "tenant" in dict(k[1])}
     for key, value in labelled.items():
-        if not key[0].endswith("_sum"):
+        name = key[0]
+        if name.endswith("_sum"):
+            count = labelled[(name[: -len("_sum")] + "_count", key[1])]
+            assert value == pytest.approx(theirs[key], abs=SLACK_S * count), key
+        elif not (name.endswith("_bucket") and name[: -len("_bucket")] in CLOCKED):
             assert value == theirs[key], key
     assert {k for k in theirs if "tenant" in dict(k[1])} == set(labelled)
     matrix = {dict(k[1])["tenant"]: v for k, v in labelled.items() if k[0] == "vllm:num_preemptions_by_tenant_total"}

@@ -8,10 +8,11 @@ from __future__ import annotations
 import collections
 import tempfile
 import time
+import urllib.request
 from typing import Any, Iterator, Optional
 
 import pytest
-from samples import otel_samples, plugin_manager
+from samples import otel_samples, plugin_manager, vllm_samples
 
 from otel_llm.config.tenants import SOURCES_BY_ENTRY_POINT
 from otel_llm.events import CAUSE_REQUEST, CAUSE_SELF
@@ -19,7 +20,7 @@ from otel_llm.integrations.vllm.channels import cause_channel
 from otel_llm.integrations.vllm.channels.cause_channel import CauseRecord
 from otel_llm.integrations.vllm.frontend import attribution
 from otel_llm.integrations.vllm.handle import ENTRY_POINT
-from otel_llm.testing.vllm.stream import Script, build, default_specs, run
+from otel_llm.testing.vllm.stream import DT, Script, build, default_specs, run
 
 TENANTS = ("0", "1", "2")
 UNREPORTED = "r1b"  # its preemption comes with no cause record
@@ -139,6 +140,172 @@ def test_per_tenant_series_and_the_matrix_equal_the_script(
     assert links == collections.Counter((tenant[v], tenant[c]) for v, c in scheduler.record if c is not None and c != v)
 
 
+STEP_FAMILIES = {
+    "vllm:time_to_first_token_seconds",
+    "vllm:inter_token_latency_seconds",
+    "vllm:prompt_tokens",
+    "vllm:generation_tokens",
+}
+
+
+def _latencies(script: Script) -> dict[str, tuple[list[float], list[float]]]:
+    """Each request's time to first token and inter-token latencies, computed as vLLM's
+    IterationStats computes them from the script's timestamps."""
+    steps: dict[str, list[int]] = collections.defaultdict(list)
+    for step in sorted(script.outputs):
+        for out in script.outputs[step]:
+            steps[out.rid].append(step)
+    out = {}
+    for spec in script.specs:
+        first, *rest = steps[spec.rid]
+        ttft = (script.w0 + first * DT + 0.0505) - (script.w0 + spec.arrive * DT)
+        its = [script.output_ts(b) - script.output_ts(a) for a, b in zip(steps[spec.rid], rest)]
+        out[spec.rid] = ([ttft], its)
+    return out
+
+
+def _unlabelled(samples: dict[Any, float]) -> dict[tuple[str, Any], float]:
+    """``{(sample name, le or None): value}`` summed over every other label but the model's and engine's."""
+    out: dict[tuple[str, Any], float] = collections.defaultdict(float)
+    for (name, labels), value in samples.items():
+        out[(name, dict(labels).get("le"))] += value
+    return dict(out)
+
+
+@pytest.mark.parametrize("source", ["priority", "lora"])
+def test_per_step_latencies_and_tokens_are_per_tenant_and_sum_to_vllms(
+    source: str, otel: Any, vllm_config: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Time to first token, inter-token latency and the prompt and generation token counters, which
+    vLLM keeps per step without naming a request: each value under the tenant of the request it
+    came from (bucket by bucket, count and sum, as computed from the script), and summed over
+    tenant, vLLM's own logger's values."""
+    from vllm.v1.metrics.stats import IterationStats
+
+    from otel_llm.integrations.vllm.frontend import deep_hook
+
+    monkeypatch.setenv("OTEL_LLM_VLLM_DEEP_HOOK", "1")
+    o = otel(tenant_sources=SOURCES_BY_ENTRY_POINT[ENTRY_POINT], tenant=source)
+    manager, ours = plugin_manager(vllm_config)
+    assert getattr(IterationStats.update_from_output, deep_hook._MARK, False)
+    specs = default_specs()
+    for i, spec in enumerate(specs):
+        spec.priority, spec.lora = i % 3, f"adapter-{i % 2}" if i % 3 else None
+    script = build(specs, time.monotonic(), time.time())
+    run(manager, {0: script})
+    served = vllm_config.model_config.served_model_name
+    tenant = {s.rid: str(s.priority) if source == "priority" else s.lora or served for s in specs}
+    tenants = sorted(set(tenant.values()))
+    assert len(tenants) == 3
+    latencies = _latencies(script)
+    samples = otel_samples(o.reader, STEP_FAMILIES)
+    for family, which in (("vllm:time_to_first_token_seconds", 0), ("vllm:inter_token_latency_seconds", 1)):
+        values = {t: [v for s in specs if tenant[s.rid] == t for v in latencies[s.rid][which]] for t in tenants}
+        histogram = _by_tenant(samples, family + "_bucket")
+        bounds = sorted({le for _, le in histogram})
+        assert histogram == {(t, le): sum(v <= le for v in values[t]) for t in tenants for le in bounds}, family
+        assert _by_tenant(samples, family + "_count") == {(t, None): len(values[t]) for t in tenants}
+        sums = _by_tenant(samples, family + "_sum")
+        assert set(sums) == {(t, None) for t in tenants}
+        for t in tenants:
+            assert sums[(t, None)] == pytest.approx(sum(values[t]), abs=1e-9), (family, t)
+    assert _by_tenant(samples, "vllm:prompt_tokens_total") == {
+        (t, None): sum(s.prompt for s in specs if tenant[s.rid] == t) for t in tenants
+    }
+    assert _by_tenant(samples, "vllm:generation_tokens_total") == {
+        (t, None): sum(s.tokens for s in specs if tenant[s.rid] == t) for t in tenants
+    }
+    # Summed over tenant, vLLM's own values; no observation left without a tenant.
+    theirs = _unlabelled(vllm_samples(STEP_FAMILIES))
+    summed = _unlabelled({k: v for k, v in samples.items() if "tenant" in dict(k[1])})
+    assert set(summed) == set(theirs)
+    for key, value in theirs.items():
+        assert summed[key] == (pytest.approx(value, abs=1e-9) if key[0].endswith("_sum") else value), key
+    assert {v for k, v in samples.items() if "tenant" not in dict(k[1])} <= {0.0}
+    assert ours.field_warnings == frozenset()
+
+
+@pytest.mark.parametrize("tenant", [None, "model"])
+def test_without_a_source_that_differs_by_request_nothing_is_noted(
+    tenant: Optional[str], otel: Any, vllm_config: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No tenant source, or the model (every request's under this frontend): vLLM's
+    IterationStats.update_from_output is not wrapped, nothing is noted per output; the model's
+    values are still all under its one tenant."""
+    from vllm.v1.metrics.stats import IterationStats
+
+    from otel_llm.integrations.vllm.frontend import deep_hook, tenant_steps
+
+    monkeypatch.setenv("OTEL_LLM_VLLM_DEEP_HOOK", "1")
+    config = {} if tenant is None else {"tenant_sources": SOURCES_BY_ENTRY_POINT[ENTRY_POINT], "tenant": tenant}
+    o = otel(**config)
+    manager, ours = plugin_manager(vllm_config)
+    assert deep_hook.is_installed()
+    assert not getattr(IterationStats.update_from_output, deep_hook._MARK, False)
+    noted = []
+    original = manager.record
+
+    def record(**kwargs: Any) -> None:
+        noted.append(hasattr(kwargs["iteration_stats"], tenant_steps.NOTES_ATTR))
+        original(**kwargs)
+
+    monkeypatch.setattr(manager, "record", record)
+    specs = default_specs()
+    run(manager, {0: build(specs, time.monotonic(), time.time())})
+    assert noted and not any(noted)
+    samples = otel_samples(o.reader, {"vllm:generation_tokens"})
+    labels = {dict(k[1]).get("tenant") for k, v in samples.items() if v}
+    assert labels == ({None} if tenant is None else {vllm_config.model_config.served_model_name})
+    assert sum(samples.values()) == sum(s.tokens for s in specs)
+
+
+def test_a_request_aborted_without_vllms_stats_has_its_preemptions_in_the_matrix_and_its_tokens_counted(
+    otel: Any, vllm_config: Any, causes: cause_channel.Sender
+) -> None:
+    """Requests whose client went away (vLLM's output processor aborts them: no
+    FinishedRequestStats, in no vLLM request metric) were preempted before: each of those
+    preemptions is in the tenant matrix under its victim's and its cause's tenant, so that the
+    matrix sums to vLLM's count of every preemption; their output tokens so far are their
+    tenant's aborted_generation_tokens."""
+    o = otel(tenant_sources=SOURCES_BY_ENTRY_POINT[ENTRY_POINT], tenant="priority")
+    manager, _ = plugin_manager(vllm_config)
+    specs = default_specs()
+    for i, spec in enumerate(specs):
+        spec.priority = i % 3
+    script = build(specs, time.monotonic(), time.time())
+    scheduler = Scheduler(script, causes)
+    cut = 32  # r7's six preemptions so far reported (the seventh comes later), r2's two: r2 finished
+    processor = run(manager, {0: script}, steps=cut, before_outputs=scheduler)
+    in_flight = sorted(processor.request_states)
+    assert in_flight == ["r0c", "r1b", "r7"]
+    processor.abort_requests(in_flight, internal=False)
+    manager.log()  # vLLM's periodic log: the requests ended meanwhile are recorded
+
+    tenant = {s.rid: str(s.priority) for s in specs}
+    produced = collections.Counter(out.rid for step, outs in script.outputs.items() if step < cut for out in outs)
+    matrix = collections.Counter(
+        (tenant[victim], tenant[cause] if cause is not None else "none") for victim, cause in scheduler.record
+    )
+    aborted_preemptions = [victim for victim, _ in scheduler.record if victim in in_flight]
+    assert aborted_preemptions == ["r7"] * 6  # in no FinishedRequestStats
+    samples = otel_samples(o.reader, {"vllm:num_preemptions_by_tenant", "vllm:aborted_generation_tokens"})
+    got = {
+        (dict(k[1])["tenant"], dict(k[1])["cause_tenant"]): v
+        for k, v in samples.items()
+        if k[0] == "vllm:num_preemptions_by_tenant_total"
+    }
+    assert got == dict(matrix)
+    (vllm_count,) = vllm_samples({"vllm:num_preemptions"}).values()
+    assert sum(got.values()) == vllm_count == len(scheduler.record)
+    aborted = collections.Counter()
+    for rid in in_flight:
+        aborted[tenant[rid]] += produced[rid]
+    tokens = {dict(k[1])["tenant"]: v for k, v in samples.items() if k[0] == "vllm:aborted_generation_tokens_total"}
+    assert {t: n for t, n in tokens.items() if n} == {t: n for t, n in aborted.items() if n} == {"0": 21, "1": 7}
+    spans = {s.attributes["gen_ai.request.id"]: s for s in o.spans.get_finished_spans()}
+    assert sorted(spans) == sorted(tenant)
+
+
 def test_the_adapter_reaches_the_span_and_a_base_model_request_is_the_served_model(
     otel: Any, vllm_config: Any, causes: cause_channel.Sender
 ) -> None:
@@ -178,3 +345,123 @@ def test_a_header_or_baggage_source_is_refused_under_the_python_frontend(
             )
         finally:
             built.shutdown()
+
+
+def _endpoint_samples(port: int) -> dict[tuple[str, frozenset], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name.startswith("vllm:") and not s.name.endswith("_created")
+    }
+
+
+def test_beside_vllms_logger_the_per_tenant_series_are_recorded_and_the_others_read(
+    vllm_config: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the providers the plugin builds, beside vLLM's own logger (whose per-step series it
+    reads at collection): with a tenant source, the steps with request outputs are kept and their
+    latencies and tokens recorded by tenant, summing to vLLM's; the other per-step series (the
+    preemption counter, the iteration tokens, the gauges) are still vLLM's, read."""
+    from prometheus_client import REGISTRY, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+    from vllm.v1.metrics.prometheus import unregister_vllm_metrics
+
+    from otel_llm.integrations import vllm as plugin
+    from otel_llm.integrations.vllm.frontend import deep_hook
+    from otel_llm.integrations.vllm.frontend.adapter import Keeping
+
+    for var, value in (
+        ("OTEL_METRICS_EXPORTER", "prometheus"),
+        ("OTEL_EXPORTER_PROMETHEUS_PORT", "0"),
+        ("OTEL_LLM_VLLM_DEEP_HOOK", "1"),
+        ("OTEL_LLM_TENANT", "priority"),
+    ):
+        monkeypatch.setenv(var, value)
+    plugin.reset()
+    unregister_vllm_metrics()
+    try:
+        manager, ours = plugin_manager(vllm_config)
+        impl = ours._impl
+        assert (impl.steps_read, impl.keeping) == (True, Keeping.ITERATIONS)
+        specs = default_specs()
+        for i, spec in enumerate(specs):
+            spec.priority = i % 3
+        run(manager, {0: build(specs, time.monotonic(), time.time())})
+        got = _endpoint_samples(impl.handle.prometheus_port)
+        expected = {
+            (s.name, frozenset(s.labels.items())): s.value
+            for f in text_string_to_metric_families(generate_latest(REGISTRY).decode())
+            for s in f.samples
+            if s.name.startswith("vllm:") and not s.name.endswith("_created")
+        }
+    finally:
+        plugin.reset()
+        deep_hook.uninstall()
+        unregister_vllm_metrics()
+    tenant = {s.rid: str(s.priority) for s in specs}
+    step_names = {n for f in STEP_FAMILIES for n in (f + "_bucket", f + "_sum", f + "_count", f + "_total")}
+    per_tenant = {k: v for k, v in got.items() if k[0] in step_names}
+    assert {dict(k[1]).get("tenant") for k, v in per_tenant.items() if v} == {"0", "1", "2"}
+    assert _by_tenant(per_tenant, "vllm:generation_tokens_total") == {
+        (t, None): sum(s.tokens for s in specs if tenant[s.rid] == t) for t in ("0", "1", "2")
+    }
+    summed = _unlabelled({k: v for k, v in per_tenant.items() if "tenant" in dict(k[1])})
+    theirs = _unlabelled({k: v for k, v in expected.items() if k[0] in step_names})
+    assert set(summed) == set(theirs)
+    for key, value in theirs.items():
+        assert summed[key] == (pytest.approx(value, abs=1e-9) if key[0].endswith("_sum") else value), key
+    read = ("vllm:num_preemptions_total", "vllm:iteration_tokens_total_sum", "vllm:num_requests_running")
+    assert {k: v for k, v in got.items() if k[0] in read} == {k: v for k, v in expected.items() if k[0] in read}
+
+
+def test_values_no_call_accounts_for_go_to_the_tenant_of_no_facts(caplog: pytest.LogCaptureFixture) -> None:
+    """A vLLM whose ``update_from_output`` takes another parameter and adds, after a step's last
+    call's values, an inter-token latency no call was for (no release does: made here, on vLLM's
+    real IterationStats): the general wrapper notes each call, each request's values go to its
+    tenant, the ones left over to the tenant of a request with no facts, said once; summed over
+    tenant, vLLM's values."""
+    from vllm.v1.metrics.stats import IterationStats, LoRARequestStates, RequestStateStats
+
+    from otel_llm.integrations.vllm.frontend import tenant_steps, traces
+    from otel_llm.integrations.vllm.translation.fields import FieldReader
+    from otel_llm.testing.vllm.stream import Output, Spec, engine_core_output
+
+    class Drifting(IterationStats):
+        def update_from_output(self, output, engine_core_timestamp, is_prefilling, req_stats, *args, extra=None):
+            super().update_from_output(output, engine_core_timestamp, is_prefilling, req_stats, *args)
+            if not is_prefilling and output.request_id == "b":  # after the step's last call's own
+                self.inter_token_latencies_iter.append(9.0)
+
+    Drifting.update_from_output = tenant_steps.wrapper(Drifting.update_from_output, lambda what, exc: None)
+    assert Drifting.update_from_output.__name__ == "update_from_output"  # the general form
+    requests = {}
+    for rid, priority in (("a", 0), ("b", 1)):
+        stats = RequestStateStats(arrival_time=100.0)
+        trace = traces.RequestTrace()
+        trace.tenant_facts = {"priority": priority}
+        setattr(stats, traces.TRACE_ATTR, trace)
+        requests[rid] = (Spec(rid, arrive=0, queue=0, prompt=10 + priority, tokens=3), stats)
+    into: dict[str, tenant_steps.TenantStep] = {}
+    reader = FieldReader()
+
+    def tenant_of(trace: Optional[Any]) -> str:
+        return "unset" if trace is None else str(trace.tenant_facts["priority"])
+
+    for step, ts in enumerate((200.0, 200.5, 201.25)):
+        it = Drifting()
+        it.iteration_timestamp = 100.25 + step
+        for rid, (spec, stats) in requests.items():
+            out = engine_core_output(spec, Output(step, rid, [], first=step == 0, last=step == 2))
+            it.update_from_output(out, ts, step == 0, stats, LoRARequestStates(), None)
+        tenant_steps.split(it, reader, tenant_of, into)
+    assert {t: (p.ttfts, p.itls, p.prompt_tokens, p.generation_tokens) for t, p in into.items()} == {
+        "0": ([0.25], [0.5, 0.75], 10, 3),
+        "1": ([0.25], [0.5, 0.75], 11, 3),
+        "unset": ([], [9.0, 9.0], 0, 0),
+    }
+    assert len([r for r in caplog.records if "do not account for" in r.getMessage()]) == 1

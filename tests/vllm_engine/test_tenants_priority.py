@@ -31,6 +31,7 @@ class Run:
     truth: list[dict[str, Any]]  # the engine core's preemptions, with both priorities
     ours: Samples  # otel-llm's /metrics, every request counted
     theirs: Samples  # vLLM's own /metrics (the Rust frontend's under it)
+    rust: bool  # under the Rust frontend
 
 
 def _total(samples: Samples, name: str) -> float:
@@ -71,7 +72,7 @@ def run(request: Any, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 
         theirs = wait_until(lambda: counted(server.url + "/metrics"), 60, interval=0.2, what="vLLM's count")
         ours = wait_until(lambda: counted(server.metrics_url), 60, interval=0.2, what="otel-llm's count")
-        yield Run([json.loads(line) for line in truth_file.read_text().splitlines()], ours, theirs)
+        yield Run([json.loads(line) for line in truth_file.read_text().splitlines()], ours, theirs, rust)
 
 
 def test_the_tenant_matrix_is_the_engine_cores_record(run: Run) -> None:
@@ -95,3 +96,27 @@ def test_each_class_has_its_own_preemption_histogram_summing_to_vllms(run: Run) 
     assert {k: v for k, v in counts.items() if v} == {str(c): LOAD.requests / CLASSES for c in range(CLASSES)}
     for name in ("vllm:request_num_preemptions_sum", "vllm:request_num_preemptions_count"):
         assert _total(run.ours, name) == _total(run.theirs, name), name
+
+
+def _by_le(samples: Samples, name: str) -> dict[str, float]:
+    out: Counter[str] = Counter()
+    for (n, labels), v in samples.items():
+        if n == name:
+            out[dict(labels)["le"]] += v
+    return dict(out)
+
+
+def test_each_class_has_its_own_latencies_and_tokens_summing_to_vllms(run: Run) -> None:
+    """Time to first token, inter-token latency and the token counters, per class: one first token
+    per request of the class, every observation under a class, and summed over the classes,
+    vLLM's own: bucket by bucket under the Python frontend, whose values they are; the counts
+    under the Rust frontend, whose values come from the engine core's stream, on its clock."""
+    ttft, itl = "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds"
+    counts = _by_tenant(run.ours, ttft + "_count")
+    assert {k: v for k, v in counts.items() if v} == {str(c): LOAD.requests / CLASSES for c in range(CLASSES)}
+    for name in (ttft + "_count", itl + "_count", "vllm:generation_tokens_total", "vllm:prompt_tokens_total"):
+        assert all("tenant" in dict(labels) for (n, labels), v in run.ours.items() if n == name and v), name
+        assert _total(run.ours, name) == _total(run.theirs, name) > 0, name
+    if not run.rust:
+        for name in (ttft + "_bucket", itl + "_bucket"):
+            assert _by_le(run.ours, name) == _by_le(run.theirs, name), name

@@ -12,7 +12,7 @@ from ...common import write_section
 from .. import frontend as package
 from . import INSTRUCTIONS_KEY, KEY, ROOT
 from .client import client_main
-from .frontend import VARIANTS
+from .frontend import TENANTS_VARIANT, VARIANTS
 from .instruction_counts import count_round, instruction_table_lines, run_instructions
 from .rounds import LOADS, run, table_lines
 
@@ -41,25 +41,48 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         help=f"instructions per output token under valgrind instead (a round per variant; key {INSTRUCTIONS_KEY})",
     )
     p.add_argument("--jobs", type=int, default=2, help="--instructions: rounds counted at once (default 2)")
-    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=VARIANTS, help="these only (stock always)")
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        choices=(*VARIANTS, TENANTS_VARIANT),
+        default=VARIANTS,
+        help=f"these only (stock always; {TENANTS_VARIANT}: otlp with OTEL_LLM_TENANT=priority, with --tenants)",
+    )
+    p.add_argument(
+        "--tenants",
+        type=int,
+        default=0,
+        help=f"--instructions: every variant's requests carry priorities 0..N-1 under vLLM's priority scheduling "
+        f"(key {INSTRUCTIONS_KEY}_tenants)",
+    )
     p.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--count-round", choices=VARIANTS, help=argparse.SUPPRESS)
+    p.add_argument("--count-round", choices=(*VARIANTS, TENANTS_VARIANT), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.client:
         return client_main()
     if args.requests < 1 or args.tokens < 3 or args.running < 1 or (args.loads is not None and args.loads < 1):
         p.error("--requests, --running, --loads: at least 1; --tokens: at least 3")
     if args.count_round:
-        asyncio.run(count_round(args.count_round, args.requests, args.tokens, args.running, args.loads or 1))
+        asyncio.run(
+            count_round(args.count_round, args.requests, args.tokens, args.running, args.loads or 1, args.tenants)
+        )
         return 0
+    if (TENANTS_VARIANT in args.variants) != bool(args.tenants) or (args.tenants and not args.instructions):
+        p.error(f"--tenants N (at least 1) with --instructions and the variant {TENANTS_VARIANT}, one with the other")
     if args.instructions:
         if args.jobs < 1:
             p.error("--jobs: at least 1")
         return write_section(
-            INSTRUCTIONS_KEY,
+            f"{INSTRUCTIONS_KEY}_tenants" if args.tenants else INSTRUCTIONS_KEY,
             args.out,
             lambda: run_instructions(
-                args.requests, args.tokens, args.running, args.loads or 1, args.jobs, args.variants
+                args.requests,
+                args.tokens,
+                args.running,
+                args.loads or 1,
+                args.jobs,
+                args.variants,
+                tenants=args.tenants,
             ),
             instruction_table_lines,
         )

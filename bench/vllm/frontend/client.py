@@ -14,7 +14,9 @@ from .frontend import MODEL_NAME
 SCRAPE_INTERVAL_S = 0.1
 
 
-async def _client_round(port: int, requests: int, tokens: int, scrape: bool, loads: int) -> dict[str, Any]:
+async def _client_round(
+    port: int, requests: int, tokens: int, scrape: bool, loads: int, tenants: int
+) -> dict[str, Any]:
     import aiohttp
 
     url = f"http://127.0.0.1:{port}"
@@ -33,6 +35,8 @@ async def _client_round(port: int, requests: int, tokens: int, scrape: bool, loa
             "ignore_eos": True,
             "temperature": 0,
         }
+        if tenants:
+            body["priority"] = i % tenants
         headers = {"traceparent": f"00-{i + 1:032x}-{i + 1:016x}-01"}
         async with session.post(f"{url}/v1/completions", json=body, headers=headers) as response:
             statuses.append(response.status)
@@ -82,9 +86,9 @@ async def _client_round(port: int, requests: int, tokens: int, scrape: bool, loa
 
 
 def client_main() -> int:
-    """Rounds on request: a line ``port requests tokens scrape loads`` in, a JSON line out."""
+    """Rounds on request: a line ``port requests tokens scrape loads tenants`` in, a JSON line out."""
     for line in sys.stdin:
-        port, requests, tokens, scrape, loads = (int(x) for x in line.split())
-        result = asyncio.run(_client_round(port, requests, tokens, bool(scrape), loads))
+        port, requests, tokens, scrape, loads, tenants = (int(x) for x in line.split())
+        result = asyncio.run(_client_round(port, requests, tokens, bool(scrape), loads, tenants))
         print(json.dumps(result), flush=True)
     return 0

@@ -21,6 +21,9 @@ from . import ROOT
 from .scripted_core import ScriptedCore
 
 VARIANTS = ("stock", "metrics", "spans", "deep_hook", "otlp", "each_step", "replace")
+# ``otlp`` with OTEL_LLM_TENANT=priority: run with --tenants N (every variant's requests then carry
+# priorities 0..N-1, under vLLM's priority scheduling policy), not by default.
+TENANTS_VARIANT = "tenants"
 MODEL_NAME = "tiny"
 
 # The plugin's settings per variant (everything else unset); None: the plugin not loaded. The deep
@@ -44,6 +47,12 @@ _PLUGIN_ENV: dict[str, Optional[dict[str, str]]] = {
         "OTEL_LLM_VLLM_DEEP_HOOK": "1",
         "OTEL_LLM_VLLM_METRICS": "replace",
     },
+    TENANTS_VARIANT: {
+        "OTEL_METRICS_EXPORTER": "otlp",
+        "OTEL_TRACES_EXPORTER": "otlp",
+        "OTEL_LLM_VLLM_DEEP_HOOK": "1",
+        "OTEL_LLM_TENANT": "priority",
+    },
 }
 
 
@@ -60,9 +69,10 @@ def _vllm_environment(cache: str) -> None:
 
 class Frontend:
     """vLLM's API server in this process, rebuilt for every round (its stat loggers too); a
-    round serves ``loads`` loads one after the other."""
+    round serves ``loads`` loads one after the other; ``tenants``: the requests carry priorities
+    ``i % tenants`` (vLLM's priority scheduling policy), none when 0."""
 
-    def __init__(self, model: Path, otlp_http: str, loads: int = 1) -> None:
+    def __init__(self, model: Path, otlp_http: str, loads: int = 1, tenants: int = 0) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.entrypoints.launchers.cli_args import make_arg_parser
         from vllm.usage.usage_lib import UsageContext
@@ -81,6 +91,7 @@ class Frontend:
                 "512",
                 "--enforce-eager",
                 "--disable-uvicorn-access-log",
+                *(["--scheduling-policy", "priority"] if tenants else []),
             ]
         )
         # Said once per round, as every round builds the app again.
@@ -89,6 +100,7 @@ class Frontend:
         self.vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
         self.otlp_http = otlp_http
         self.loads = loads
+        self.tenants = tenants
         self._plugin_vars = sorted({k for env in _PLUGIN_ENV.values() if env for k in env})
 
     def _configure(self, variant: str) -> list[Any]:
@@ -169,7 +181,9 @@ class Frontend:
         try:
             with measure if measure is not None else contextlib.nullcontext():
                 cpu0, main0 = time.process_time(), time.thread_time()
-                client.stdin.write(f"{port} {len(specs)} {specs[0].tokens} {int(scrape)} {self.loads}\n".encode())
+                client.stdin.write(
+                    f"{port} {len(specs)} {specs[0].tokens} {int(scrape)} {self.loads} {self.tenants}\n".encode()
+                )
                 await client.stdin.drain()
                 answer = json.loads(await asyncio.wait_for(client.stdout.readline(), 600))
                 await asyncio.wait_for(core.finished.wait(), 60)
@@ -197,7 +211,7 @@ class Frontend:
 
 
 @contextlib.asynccontextmanager
-async def serving(loads: int = 1) -> AsyncIterator[tuple[Frontend, Any]]:
+async def serving(loads: int = 1, tenants: int = 0) -> AsyncIterator[tuple[Frontend, Any]]:
     """vLLM's frontend on a tiny model, an OTLP receiver, and the client process."""
     from otel_llm.testing.models import make_tiny_llama
 
@@ -213,7 +227,7 @@ async def serving(loads: int = 1) -> AsyncIterator[tuple[Frontend, Any]]:
     try:
         with tempfile.TemporaryDirectory(prefix="bench-vllm-frontend-") as tmp, otlp_receiver() as receiver:
             _vllm_environment(str(Path(tmp) / "cache"))
-            yield Frontend(make_tiny_llama(Path(tmp) / "tiny-llama"), receiver["http"], loads), client
+            yield Frontend(make_tiny_llama(Path(tmp) / "tiny-llama"), receiver["http"], loads, tenants), client
     finally:
         if client.stdin is not None:
             client.stdin.close()

@@ -19,7 +19,7 @@ from .scripted_core import round_specs
 COUNT_TIMEOUT_S = 3600  # one counted round under callgrind: a few minutes
 
 
-async def count_round(variant: str, requests: int, tokens: int, running: int, loads: int) -> None:
+async def count_round(variant: str, requests: int, tokens: int, running: int, loads: int, tenants: int = 0) -> None:
     """A warm-up round, then one counted (run under callgrind by :func:`run_instructions`; the
     round itself checks that every token was streamed)."""
     window = instructions.Window()
@@ -30,12 +30,14 @@ async def count_round(variant: str, requests: int, tokens: int, running: int, lo
     os.environ["OTEL_BSP_SCHEDULE_DELAY"] = "600000"
     os.environ["VLLM_LOG_STATS_INTERVAL"] = "600"
     specs = round_specs(requests, tokens, running)
-    async with serving(loads) as (frontend, client):
+    async with serving(loads, tenants) as (frontend, client):
         await frontend.round(variant, specs, client)
         await frontend.round(variant, specs, client, measure=window)
 
 
-def _counted(name: str, variant: str, requests: int, tokens: int, running: int, loads: int) -> dict[str, Any]:
+def _counted(
+    name: str, variant: str, requests: int, tokens: int, running: int, loads: int, tenants: int
+) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix=f"bench-callgrind-{name}-") as tmp:
         out = Path(tmp)
         argv = [
@@ -49,6 +51,8 @@ def _counted(name: str, variant: str, requests: int, tokens: int, running: int, 
             str(running),
             "--loads",
             str(loads),
+            "--tenants",
+            str(tenants),
         ]
         with open(out / "stderr.log", "wb") as err:
             proc = subprocess.run(
@@ -80,6 +84,7 @@ def run_instructions(
     jobs: int,
     variants: Sequence[str] = VARIANTS,
     log: Any = sys.stderr,
+    tenants: int = 0,
 ) -> dict[str, Any]:
     reason = instructions.missing()
     if reason:
@@ -93,7 +98,7 @@ def run_instructions(
     )
     counted: dict[str, dict[str, Any]] = {}
     with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
-        futures = {pool.submit(_counted, n, v, requests, tokens, running, loads): n for n, v in runs}
+        futures = {pool.submit(_counted, n, v, requests, tokens, running, loads, tenants): n for n, v in runs}
         for future in concurrent.futures.as_completed(futures):
             name = futures[future]
             counted[name] = future.result()
@@ -109,6 +114,7 @@ def run_instructions(
             "tokens_per_request": tokens,
             "loads_per_round": loads,
             "output_tokens": requests * tokens * loads,
+            "tenants": tenants,
         },
         "instructions": counted,
         "over_stock": {n: ratio(c["per_token"], stock["per_token"]) for n, c in counted.items()},

@@ -184,7 +184,9 @@ def read_step_series(plan: Plan, telemetries: Iterable[Any]) -> bool:
     ``vllm`` naming profile, vLLM's model name, explicit buckets equal to vLLM's, no exemplars
     on them (``always_on`` gives them some, without a trace), and providers that only this
     plugin records into. Preemptions by reason are vLLM's preemptions, all ``kv_cache_full``.
-    True when they are read there (the adapter then translates only the finished requests)."""
+    With a tenant source, the per-tenant ones (time to first token, inter-token latency, the
+    token counters) are not read there. True when the others are read there (the adapter then
+    translates only the finished requests and, with a tenant source, the per-tenant series)."""
     series, config = plan.series, plan.config
     telemetries = list(telemetries)
     recorders = [tel.metrics for tel in telemetries]
@@ -203,6 +205,8 @@ def read_step_series(plan: Plan, telemetries: Iterable[Any]) -> bool:
         labels = set(base_attributes(config))
         for key in STEP_SERIES:
             m = BY_KEY[key]
+            if m.per_tenant and config.tenant is not None:
+                continue  # vLLM's have no tenant: recorded here from each step's values
             family = series.families.get(m.vllm)
             if (
                 family is None

@@ -48,6 +48,9 @@ class Keeping(enum.Enum):
     # Beside vLLM's logger, which records the per-step core series: only the finished requests
     # are left to translate, a few steps in a hundred.
     FINISHED_ONLY = "the steps with finished requests"
+    # The same with a tenant source: vLLM's per-step latencies and tokens have no tenant, each
+    # iteration's are split by tenant here.
+    ITERATIONS = "the steps with request outputs"
     # With several API servers: at once, other API servers read the published scheduler gauges.
     NONE = "none"
 
@@ -92,14 +95,22 @@ class VllmAdapter:
             self.series.read_from(REGISTRY)
         # Read from vLLM's logger at collection, those series are translated at no step.
         self.steps_read = read_step_series(plan, self.telemetry.values())
+        # With a tenant source, the per-step latencies and tokens are recorded here, by tenant.
+        source = self.config.tenant_source
         self.keeping = (
             Keeping.NONE
             if self.gauges is not None
-            else Keeping.FINISHED_ONLY
-            if self.steps_read
             else Keeping.EVERY_STEP
+            if not self.steps_read
+            else Keeping.ITERATIONS
+            if source is not None
+            else Keeping.FINISHED_ONLY
         )
         self.deep_hook = vllm_deep_hook.enabled() and vllm_deep_hook.install()
+        # Only a source that differs by request needs each value's request noted (the model is
+        # every request's under this frontend).
+        if source is not None and source.kind != "model" and self.deep_hook:
+            vllm_deep_hook.note_tenants()
         if self.deep_hook:
             vllm_deep_hook.listen(self.stopped)
             attribution.start()
@@ -170,6 +181,7 @@ class VllmAdapter:
             steps_read=self.steps_read,
             gauges=self.gauges,
             deep_hook=self.deep_hook,
+            tenants=self.telemetry[idx].config.tenant is not None,
         )
         self._translators[idx] = translator
         self.telemetry[idx].translate_steps_with(translator)
@@ -196,6 +208,8 @@ class VllmAdapter:
             self.record_ended()
         keeping = self.keeping
         if keeping is Keeping.FINISHED_ONLY and not getattr(iteration_stats, "finished_requests", None):
+            return
+        if keeping is Keeping.ITERATIONS and iteration_stats is None:
             return
         step = VllmStep(scheduler_stats, iteration_stats, mm_cache_stats, time.time() - time.monotonic())
         idle = keeping is Keeping.NONE or (

@@ -54,7 +54,7 @@ from otel_llm.config.settings import from_environment
 from otel_llm.integrations.vllm import package
 from otel_llm.integrations.vllm.channels.cause_channel import folder
 from otel_llm.integrations.vllm.engine_core import engine_core
-from otel_llm.integrations.vllm.frontend import attribution, traces
+from otel_llm.integrations.vllm.frontend import attribution, tenant_steps, traces
 from otel_llm.summary import ENGINE_DEAD, SHUTDOWN
 
 _log = logging.getLogger(__name__)
@@ -68,7 +68,8 @@ FALLBACK = (
 SHUT_DOWN_ATTR = "_otel_llm_shut_down"  # on an AsyncLLM whose shutdown the stat loggers were told of
 _MARK = "__otel_llm_deep_hook__"
 _lock = threading.Lock()
-_state: dict[str, Any] = {"installed": False, "failed": None, "originals": []}
+# "notes": whether the tenants of the per-step stats are noted (None: not asked yet).
+_state: dict[str, Any] = {"installed": False, "failed": None, "originals": [], "notes": None}
 # The trace headers of the request being added, from AsyncLLM.add_request to OutputProcessor.add_request.
 _adding_headers: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("otel_llm_trace_headers", default=None)
 
@@ -250,6 +251,43 @@ def _install() -> Optional[str]:
             problem,
         )
     return None
+
+
+def note_tenants() -> bool:
+    """With a tenant source taken from each request's facts: the tenant of each value of vLLM's
+    per-step stats noted (:mod:`.tenant_steps`: ``IterationStats.update_from_output`` wrapped,
+    once, in this process only). False, with one warning, where the deep hook is not attached
+    or the method is not as relied on: those values are then recorded under the tenant of a
+    request with no facts."""
+    with _lock:
+        if _state["notes"] is None:
+            _state["notes"] = _install_notes()
+        return _state["notes"]
+
+
+def _install_notes() -> bool:
+    if not _state["installed"]:
+        return False
+    from vllm.v1.metrics.stats import IterationStats as cls
+
+    problem = tenant_steps.shape_problem(cls)
+    if problem is not None:
+        _log.warning(
+            "otel-llm deep hook: time to first token, inter-token latency and the token counters carry the "
+            "tenant of a request with no facts (%s)",
+            problem,
+        )
+        return False
+    warned: list[bool] = []
+
+    def warn_once(what: str, exc: BaseException) -> None:
+        if not warned:
+            warned.append(True)
+            _log.warning("otel-llm deep hook: %s failed (%r); that value keeps no tenant of its own", what, exc)
+
+    if not getattr(cls.update_from_output, _MARK, False):
+        _wrap(cls, "update_from_output", tenant_steps.wrapper(cls.update_from_output, warn_once))
+    return True
 
 
 def _install_cause_reports() -> None:
@@ -434,7 +472,7 @@ def uninstall() -> None:
     with _lock:
         for owner, name, original in reversed(_state["originals"]):
             setattr(owner, name, original)
-        _state.update(installed=False, failed=None, originals=[])
+        _state.update(installed=False, failed=None, originals=[], notes=None)
 
 
 def is_installed() -> bool:

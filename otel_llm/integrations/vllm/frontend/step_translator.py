@@ -15,9 +15,10 @@ from collections import Counter
 from typing import Any, Optional, Sequence
 
 from otel_llm.catalogue import drops
+from otel_llm.config import tenants
 from otel_llm.core.telemetry import EngineTelemetry
 from otel_llm.events import StepStats
-from otel_llm.integrations.vllm.frontend import attribution
+from otel_llm.integrations.vllm.frontend import attribution, tenant_steps
 from otel_llm.integrations.vllm.frontend.traces import EndedRequest, RequestTrace, trace_of
 from otel_llm.integrations.vllm.translation.fields import MISSING, FieldReader
 from otel_llm.integrations.vllm.translation.translate import (
@@ -31,6 +32,7 @@ from otel_llm.integrations.vllm.translation.translate import (
 from otel_llm.summary import ENGINE_DEAD, SHUTDOWN, PreemptionCause, RequestSummary
 
 _log = logging.getLogger("otel_llm.integrations.vllm")  # one logger for the vLLM adapter, whichever module logs
+_PREEMPTIONS = next(f for f in ITERATION_COUNTS if f.ours == "num_preemptions")
 _told_unknown: list[bool] = []  # the one warning that, without the deep hook, causes are unknown
 
 
@@ -67,7 +69,9 @@ class StepTranslator:
     read from vLLM's own logger (None otherwise); ``steps_read``: the per-step core series are
     read from vLLM's logger, only the finished requests are translated; ``gauges``: the
     scheduler gauges shared with other API servers, published per step; ``deep_hook``: the deep
-    hook is attached (what it saw of each request, its preemptions' causes included).
+    hook is attached (what it saw of each request, its preemptions' causes included);
+    ``tenants``: the telemetry has a tenant source (each step's latencies and tokens are split by
+    tenant, :mod:`.tenant_steps`, also when the other per-step series are read).
     """
 
     def __init__(
@@ -79,8 +83,10 @@ class StepTranslator:
         steps_read: bool = False,
         gauges: Any = None,
         deep_hook: bool = False,
+        tenants: bool = False,
     ) -> None:
         self.engine_idx = engine_idx
+        self.tenants = tenants
         self.reader = reader
         self.series = series
         self.steps_read = steps_read
@@ -89,7 +95,7 @@ class StepTranslator:
         self._last_sched: Optional[tuple[int, int, float]] = None  # (running, waiting, usage)
 
     def __call__(self, telemetry: EngineTelemetry, steps: Sequence[VllmStep]) -> None:
-        if self.series is not None:
+        if self.series is not None and self.series.reader is None:  # read from vLLM's logger: nothing to run
             for s in steps:
                 self.series.run(
                     "record",
@@ -104,11 +110,19 @@ class StepTranslator:
                 self._record_iteration(telemetry, iterations)
             for s in steps:
                 self._record_step(telemetry, s)
+        elif self.tenants and iterations:
+            self._record_by_tenant(telemetry, iterations)
         self._record_finished(telemetry, iterations)
 
     def _record_iteration(self, telemetry: EngineTelemetry, iterations: Sequence[VllmStep]) -> None:
-        """Several steps' IterationStats: their latencies and counts in one call."""
+        """Several steps' IterationStats: their latencies and counts in one call (one a tenant)."""
         r = self.reader
+        if self.tenants:
+            self._record_by_tenant(telemetry, iterations)
+            f = _PREEMPTIONS
+            preempted = sum(int(r.number(s.iteration_stats, f.vllm, f.metric) or 0) for s in iterations)
+            telemetry.record_iteration(num_preemptions=preempted, preemption_reason=DEFAULT_PREEMPTION_REASON)
+            return
         values: dict[str, Any] = {f.ours: [] for f in ITERATION_LATENCIES}
         values.update({f.ours: 0 for f in ITERATION_COUNTS})
         for s in iterations:
@@ -118,6 +132,27 @@ class StepTranslator:
             for f in ITERATION_COUNTS:
                 values[f.ours] += int(r.number(it, f.vllm, f.metric) or 0)
         telemetry.record_iteration(**values, preemption_reason=DEFAULT_PREEMPTION_REASON)
+
+    def _record_by_tenant(self, telemetry: EngineTelemetry, iterations: Sequence[VllmStep]) -> None:
+        """Several steps' latencies and token counts, each tenant's in one call."""
+        parts: dict[str, tenant_steps.TenantStep] = {}
+
+        def tenant_of(trace: Optional[RequestTrace]) -> str:
+            if trace is None:
+                return telemetry.tenant_of(None) or tenants.UNSET
+            trace.tenant = telemetry.tenant_of(trace.tenant_facts) or tenants.UNSET  # once per request
+            return trace.tenant
+
+        for s in iterations:
+            tenant_steps.split(s.iteration_stats, self.reader, tenant_of, parts)
+        for tenant, part in parts.items():
+            telemetry.record_iteration(
+                ttfts=part.ttfts,
+                itls=part.itls,
+                prompt_tokens=part.prompt_tokens,
+                generation_tokens=part.generation_tokens,
+                tenant=tenant,
+            )
 
     def _record_step(self, telemetry: EngineTelemetry, s: VllmStep) -> None:
         r, sched, it = self.reader, s.scheduler_stats, s.iteration_stats
@@ -179,13 +214,16 @@ class StepTranslator:
                     telemetry.record_finished(summary)
                     continue
                 self._open_causes(telemetry, deep, s.wall_offset)
-                # A request the deep hook already ended (cut short at shutdown) keeps its one span.
-                telemetry.record_finished(summary, deep.carrier, span=not deep.ended)
+                # A request the deep hook already ended (cut short at shutdown) keeps its one span,
+                # and its preemptions counted once in the tenant matrix, there.
+                telemetry.record_finished(summary, deep.carrier, span=not deep.ended, matrix=not deep.ended)
                 attribution.translated(deep)
 
     def record_ended(self, telemetry: EngineTelemetry, ended: EndedRequest, offset: float) -> None:
         """A request the deep hook saw end without vLLM's FinishedRequestStats (aborted, cut
-        short): its span, no metric (vLLM counts none)."""
+        short): its span, none of vLLM's metrics (vLLM counts it in none); with a tenant source,
+        its preemptions in the tenant matrix (vLLM counted them in ``num_preemptions``) and,
+        aborted by its client, its output tokens in ``aborted_generation_tokens``."""
         self._drain_causes(telemetry)
         trace = ended.trace
         finish = ended.end_time - offset
