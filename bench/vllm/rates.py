@@ -269,7 +269,9 @@ def consumer_run(
             conn.send(("run", folder, rate, sndbuf))
         results = [conn.recv() for conn in engines]
         deadline = time.monotonic() + DRAIN_S
-        while consumer._by_index and time.monotonic() < deadline:  # the goodbyes read (at most DRAIN_S)
+        here = len(engines) - len(workers)  # the engines this process's consumer records
+        # Every hello read, then every goodbye: before its hello an engine is not in _by_index either.
+        while (len(consumer._telemetry_by_index) < here or consumer._by_index) and time.monotonic() < deadline:
             time.sleep(0.01)
         if workers:  # each worker's share read: every finish counted, or (frames lost) a count that stays
             lost = sum(r["lost_frames"] for r in results)
