@@ -152,6 +152,8 @@ def test_request_num_preemptions_reaches_every_reader_with_its_explicit_positive
     [
         (0.1, 0.12, 0.1, 0.15),  # one bucket
         (0.5, 1.0, 1.5, 2.0, 2.5, 7),  # several, on and between the bounds
+        (2.5, 1.0, 0.5, 1.0, 1.5),  # unordered, two buckets
+        (1.5, 1.2, 2.0),  # one bucket above the first
         (0.5, float("nan"), 1.5),  # a NaN: where one-by-one puts it
         (float("inf"), 3.0, float("-inf")),
         (2, 2, 2),  # ints: the sum stays an int
