@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import threading
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from time import time_ns
 from typing import Optional, Sequence
 
@@ -81,10 +81,25 @@ class HistogramCell:
         if not values:
             return
         counts, bounds = self.counts, self.bounds
-        for value in values:
-            counts[bisect_left(bounds, value)] += 1
-        self.total += sum(values)
+        total = sum(values)
         low, high = min(values), max(values)
+        first, last = bisect_left(bounds, low), bisect_left(bounds, high)
+        if first == last and total == total:
+            counts[first] += len(values)  # the common case: a few steps' latencies share a bucket
+        elif total == total:
+            # Each bucket's count from the values in order (sorted in C): a search per bucket
+            # spanned, not per value.
+            ordered = sorted(values)
+            below = 0
+            for i in range(first, last):
+                upto = bisect_right(ordered, bounds[i])
+                counts[i] += upto - below
+                below = upto
+            counts[last] += len(values) - below
+        else:  # a NaN (the sum says so) has no place in the order: where a search puts it
+            for value in values:
+                counts[bisect_left(bounds, value)] += 1
+        self.total += total
         if low < self.min:
             self.min = low
         if high > self.max:

@@ -8,6 +8,7 @@ fails here first and names what moved.
 from __future__ import annotations
 
 import logging
+import math
 from importlib.metadata import version
 
 import pytest
@@ -144,3 +145,27 @@ def test_request_num_preemptions_reaches_every_reader_with_its_explicit_positive
     expected = [(3, (0.5, 1.0, 2.0, 3.0, 4.0, 5.0, 10.0, 20.0), (1, 1, 1, 0, 0, 0, 0, 0, 0))]
     assert _preemption_points(first) == expected
     assert _preemption_points(second) == expected
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        (0.1, 0.12, 0.1, 0.15),  # one bucket
+        (0.5, 1.0, 1.5, 2.0, 2.5, 7),  # several, on and between the bounds
+        (2.5, 1.0, 0.5, 1.0, 1.5),  # unordered, two buckets
+        (1.5, 1.2, 2.0),  # one bucket above the first
+        (0.5, float("nan"), 1.5),  # a NaN: where one-by-one puts it
+        (float("inf"), 3.0, float("-inf")),
+        (2, 2, 2),  # ints: the sum stays an int
+    ],
+)
+def test_cell_observe_many_equals_one_by_one(values):
+    many, single = HistogramCell((1.0, 2.0), {}), HistogramCell((1.0, 2.0), {})
+    many.windows.append([math.inf, -math.inf])
+    single.windows.append([math.inf, -math.inf])
+    many.observe_many(values)
+    for value in values:
+        single.observe(value)
+    state = [(c.counts, c.min, c.max, c.windows) for c in (many, single)]
+    assert repr(state[0]) == repr(state[1])
+    assert repr(many.total) == repr(sum(values))

@@ -36,9 +36,11 @@ _PREEMPTIONS = next(f for f in ITERATION_COUNTS if f.ours == "num_preemptions")
 _told_unknown: list[bool] = []  # the one warning that, without the deep hook, causes are unknown
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class VllmStep:
-    """One engine step as vLLM's stat-logger call handed it over."""
+    """One engine step as vLLM's stat-logger call handed it over. Not frozen: one is built per
+    kept step on vLLM's event loop, and a frozen dataclass sets each field through
+    ``object.__setattr__`` (four times the cost of building it)."""
 
     scheduler_stats: Any
     iteration_stats: Any
