@@ -13,14 +13,13 @@ requests (vLLM's dev endpoint): preemptions whose cause is no request.
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+from engine_record import Samples, read_record, recording_env
 
 from otel_llm.testing.span_receiver import span_attributes
 from otel_llm.testing.vllm.server import MODEL_NAME, Load, VllmServer, run_load, scrape
@@ -28,8 +27,6 @@ from tests.support.backends import wait_until
 
 LOAD = Load(requests=64, concurrency=64, max_tokens=96, seed=1)
 RESET_TRIES = 3
-TRUTH_RECORDER = Path(__file__).resolve().parent / "preemption_truth"
-Samples = dict[tuple[str, frozenset], float]
 
 
 @dataclass
@@ -83,8 +80,7 @@ def run(tiny_model: Path, otlp_sink: Any, tmp_path_factory: pytest.TempPathFacto
             "OTEL_BSP_SCHEDULE_DELAY": "200",
             "OTEL_LLM_VLLM_DEEP_HOOK": "1",
             "VLLM_SERVER_DEV_MODE": "1",
-            "PYTHONPATH": os.pathsep.join(p for p in (str(TRUTH_RECORDER), os.environ.get("PYTHONPATH")) if p),
-            "OTEL_LLM_TEST_PREEMPTION_TRUTH": str(truth_file),
+            **recording_env(truth_file),
             "TMPDIR": str(tmp),
         },
     )
@@ -103,7 +99,7 @@ def run(tiny_model: Path, otlp_sink: Any, tmp_path_factory: pytest.TempPathFacto
         )
         vllm, ours = scrape(server.url + "/metrics"), scrape(server.metrics_url)
         spans = {span_attributes(s)["gen_ai.request.id"]: s for s in otlp_sink.spans() if s.name == "llm_request"}
-    truth = [json.loads(line) for line in truth_file.read_text().splitlines()]
+    truth = read_record(truth_file)
     return Run(truth, spans, ours, vllm, reset_success, resets, tmp, channel_made)
 
 

@@ -12,7 +12,6 @@ its environment, ports and log, the OTLP sink the plugin exports to).
 from __future__ import annotations
 
 import json
-import os
 import time
 import urllib.request
 from collections import Counter
@@ -22,6 +21,7 @@ from typing import Any, Iterator, Optional
 
 import psutil
 import pytest
+from engine_record import Samples, read_record, recording_env
 
 from otel_llm.testing.span_receiver import span_attributes
 from otel_llm.testing.vllm.server import (
@@ -39,8 +39,6 @@ LOAD = Load(requests=64, concurrency=64, max_tokens=96, seed=0)
 LABELS = frozenset({"model_name": MODEL_NAME, "engine": "0"}.items())
 SERVICE = "vllm-rust-frontend"  # this module's spans, in the session's shared OTLP sink
 WORKER = "otel_llm.integrations.vllm.frontend.engine_worker"  # an engine's own recording process
-TRUTH_RECORDER = Path(__file__).resolve().parent / "preemption_truth"
-Samples = dict[tuple[str, frozenset], float]
 
 
 @dataclass
@@ -88,8 +86,7 @@ def rust_run(tiny_model: Path, otlp_sink: Any, tmp_path_factory: pytest.TempPath
             "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
             "OTEL_BSP_SCHEDULE_DELAY": "200",
             "OTEL_LLM_VLLM_DEEP_HOOK": "1",
-            "PYTHONPATH": os.pathsep.join(p for p in (str(TRUTH_RECORDER), os.environ.get("PYTHONPATH")) if p),
-            "OTEL_LLM_TEST_PREEMPTION_TRUTH": str(truth_file),
+            **recording_env(truth_file),
         },
         rust_frontend=True,
     )
@@ -134,7 +131,7 @@ def rust_run(tiny_model: Path, otlp_sink: Any, tmp_path_factory: pytest.TempPath
             server.log_text(),
             ours,
             spans,
-            [json.loads(line) for line in truth_file.read_text().splitlines()],
+            read_record(truth_file),
         )
 
 

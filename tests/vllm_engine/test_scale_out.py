@@ -14,8 +14,6 @@ reaches the API server of its victim, and every cause's own server counts it.
 
 from __future__ import annotations
 
-import json
-import os
 import threading
 import urllib.request
 from collections import Counter, defaultdict
@@ -23,12 +21,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 import pytest
+from engine_record import read_record, recording_env
 
 from otel_llm.testing.span_receiver import span_attributes
 from otel_llm.testing.vllm.server import MODEL_NAME, Load, VllmServer, run_load, scrape, traceparent
 from tests.support.backends import start_otlp_sink, wait_until
-
-TRUTH_RECORDER = Path(__file__).resolve().parent / "preemption_truth"
 
 LOAD = Load(requests=32, concurrency=32, max_tokens=48, seed=3)
 # Held mid-flight by a pause: long requests, four times as many as vLLM runs at once (16, and
@@ -199,8 +196,7 @@ def scaled(request: Any, tiny_model: Path, tmp_path_factory: pytest.TempPathFact
             "OTEL_METRIC_EXPORT_INTERVAL": "500",
             "OTEL_BSP_SCHEDULE_DELAY": "200",
             "OTEL_LLM_VLLM_DEEP_HOOK": "1",
-            "PYTHONPATH": os.pathsep.join(p for p in (str(TRUTH_RECORDER), os.environ.get("PYTHONPATH")) if p),
-            "OTEL_LLM_TEST_PREEMPTION_TRUTH": str(truth_file),
+            **recording_env(truth_file),
         }
         with VllmServer(tiny_model, env=env, args=request.param, cli=True) as server:
             completions = run_load(server.url, LOAD)
@@ -219,7 +215,7 @@ def scaled(request: Any, tiny_model: Path, tmp_path_factory: pytest.TempPathFact
                 raise AssertionError(f"sums over processes differ from vLLM's: {differ()}") from None
             wait_until(lambda: len(sink.spans()) >= LOAD.requests, 60, interval=0.25, what="every request span")
             ours, instances = _summed_over_processes(sink)
-            truth = [json.loads(line) for line in truth_file.read_text().splitlines()]  # the load's alone
+            truth = read_record(truth_file)  # the load's alone
             engines = {"0", "1"} if "--data-parallel-size" in request.param else {"0"}
             drained = _gauges(server, sink)
             return {

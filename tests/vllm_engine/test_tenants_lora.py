@@ -13,7 +13,6 @@ keeps the exact refusal, so a release that mends it shows here.
 from __future__ import annotations
 
 import json
-import os
 import urllib.request
 from collections import Counter
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
+from engine_record import Samples, by_label, read_record, recording_env, total
 
 from otel_llm.testing.models import make_tiny_lora
 from otel_llm.testing.vllm.server import (
@@ -38,8 +38,6 @@ ADAPTERS = ("a", "b")
 TENANTS = (*ADAPTERS, MODEL_NAME)  # a base-model request's tenant is the served model
 LOAD = Load(requests=48, concurrency=48, max_tokens=96, seed=5, traced=False, models=TENANTS)
 RANK = 8
-TRUTH_RECORDER = Path(__file__).resolve().parent / "preemption_truth"
-Samples = dict[tuple[str, frozenset], float]
 
 
 @dataclass
@@ -69,18 +67,6 @@ def lora_args(adapters: dict[str, Path]) -> tuple[str, ...]:
     )
 
 
-def _total(samples: Samples, name: str) -> float:
-    return sum(v for (n, _), v in samples.items() if n == name)
-
-
-def _by_tenant(samples: Samples, name: str) -> dict[str, float]:
-    out: Counter[str] = Counter()
-    for (n, labels), v in samples.items():
-        if n == name:
-            out[dict(labels)["tenant"]] += v
-    return dict(out)
-
-
 def _tenant(lora: str | None) -> str:
     return lora or MODEL_NAME
 
@@ -101,8 +87,7 @@ def run(tiny_model: Path, adapters: dict[str, Path], tmp_path_factory: pytest.Te
         tiny_model,
         env={
             "OTEL_LLM_TENANT": "lora",
-            "PYTHONPATH": os.pathsep.join(p for p in (str(TRUTH_RECORDER), os.environ.get("PYTHONPATH")) if p),
-            "OTEL_LLM_TEST_PREEMPTION_TRUTH": str(truth_file),
+            **recording_env(truth_file),
         },
         args=lora_args(adapters),
     )
@@ -112,12 +97,12 @@ def run(tiny_model: Path, adapters: dict[str, Path], tmp_path_factory: pytest.Te
 
         def counted(url: str) -> Samples:
             samples = scrape(url)
-            return samples if _total(samples, "vllm:request_success_total") >= LOAD.requests else {}
+            return samples if total(samples, "vllm:request_success_total") >= LOAD.requests else {}
 
         theirs = wait_until(lambda: counted(server.url + "/metrics"), 60, interval=0.2, what="vLLM's count")
         ours = wait_until(lambda: counted(server.metrics_url), 60, interval=0.2, what="otel-llm's count")
         generated = {tenant: _generate(server.url, tenant) for tenant in TENANTS}
-        yield Run([json.loads(line) for line in truth_file.read_text().splitlines()], ours, theirs, generated)
+        yield Run(read_record(truth_file), ours, theirs, generated)
 
 
 def test_the_adapters_change_what_the_model_generates(run: Run) -> None:
@@ -135,17 +120,17 @@ def test_the_tenant_matrix_is_the_engine_cores_record(run: Run) -> None:
         if n == "vllm:num_preemptions_by_tenant_total" and v
     }
     assert ours == dict(truth)
-    assert sum(ours.values()) == _total(run.theirs, "vllm:num_preemptions_total")
+    assert sum(ours.values()) == total(run.theirs, "vllm:num_preemptions_total")
 
 
 def test_each_adapter_has_its_own_preemption_histogram_summing_to_vllms(run: Run) -> None:
     per_tenant = Counter(_tenant(t["victim_lora"]) for t in run.truth)
-    sums = _by_tenant(run.ours, "vllm:request_num_preemptions_sum")
-    counts = _by_tenant(run.ours, "vllm:request_num_preemptions_count")
+    sums = by_label(run.ours, "vllm:request_num_preemptions_sum", "tenant")
+    counts = by_label(run.ours, "vllm:request_num_preemptions_count", "tenant")
     assert {k: v for k, v in sums.items() if v} == dict(per_tenant)
     assert {k: v for k, v in counts.items() if v} == {t: LOAD.requests / len(TENANTS) for t in TENANTS}
     for name in ("vllm:request_num_preemptions_sum", "vllm:request_num_preemptions_count"):
-        assert _total(run.ours, name) == _total(run.theirs, name), name
+        assert total(run.ours, name) == total(run.theirs, name), name
 
 
 def test_the_rust_frontend_cannot_load_an_adapter_from_this_engine_core(

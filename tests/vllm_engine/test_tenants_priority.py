@@ -8,22 +8,19 @@ against vLLM's own /metrics (the Rust frontend's under it).
 
 from __future__ import annotations
 
-import json
-import os
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
+from engine_record import Samples, by_label, read_record, recording_env, total
 
 from otel_llm.testing.vllm.server import Load, VllmServer, run_load, rust_frontend_missing, scrape
 from tests.support.backends import require_backend, wait_until
 
 CLASSES = 3
 LOAD = Load(requests=48, concurrency=48, max_tokens=96, seed=5, traced=False, priorities=CLASSES)
-TRUTH_RECORDER = Path(__file__).resolve().parent / "preemption_truth"
-Samples = dict[tuple[str, frozenset], float]
 
 
 @dataclass
@@ -32,18 +29,6 @@ class Run:
     ours: Samples  # otel-llm's /metrics, every request counted
     theirs: Samples  # vLLM's own /metrics (the Rust frontend's under it)
     rust: bool  # under the Rust frontend
-
-
-def _total(samples: Samples, name: str) -> float:
-    return sum(v for (n, _), v in samples.items() if n == name)
-
-
-def _by_tenant(samples: Samples, name: str) -> dict[str, float]:
-    out: Counter[str] = Counter()
-    for (n, labels), v in samples.items():
-        if n == name:
-            out[dict(labels)["tenant"]] += v
-    return dict(out)
 
 
 @pytest.fixture(scope="module", params=["python", "rust"])
@@ -56,8 +41,7 @@ def run(request: Any, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
         tiny_model,
         env={
             "OTEL_LLM_TENANT": "priority",
-            "PYTHONPATH": os.pathsep.join(p for p in (str(TRUTH_RECORDER), os.environ.get("PYTHONPATH")) if p),
-            "OTEL_LLM_TEST_PREEMPTION_TRUTH": str(truth_file),
+            **recording_env(truth_file),
         },
         args=("--scheduling-policy", "priority"),
         rust_frontend=rust,
@@ -68,11 +52,11 @@ def run(request: Any, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 
         def counted(url: str) -> Samples:
             samples = scrape(url)
-            return samples if _total(samples, "vllm:request_success_total") >= LOAD.requests else {}
+            return samples if total(samples, "vllm:request_success_total") >= LOAD.requests else {}
 
         theirs = wait_until(lambda: counted(server.url + "/metrics"), 60, interval=0.2, what="vLLM's count")
         ours = wait_until(lambda: counted(server.metrics_url), 60, interval=0.2, what="otel-llm's count")
-        yield Run([json.loads(line) for line in truth_file.read_text().splitlines()], ours, theirs, rust)
+        yield Run(read_record(truth_file), ours, theirs, rust)
 
 
 def test_the_tenant_matrix_is_the_engine_cores_record(run: Run) -> None:
@@ -89,21 +73,13 @@ def test_the_tenant_matrix_is_the_engine_cores_record(run: Run) -> None:
 
 def test_each_class_has_its_own_preemption_histogram_summing_to_vllms(run: Run) -> None:
     per_class = Counter(str(t["victim_priority"]) for t in run.truth)
-    sums = _by_tenant(run.ours, "vllm:request_num_preemptions_sum")
-    counts = _by_tenant(run.ours, "vllm:request_num_preemptions_count")
+    sums = by_label(run.ours, "vllm:request_num_preemptions_sum", "tenant")
+    counts = by_label(run.ours, "vllm:request_num_preemptions_count", "tenant")
     assert {k: v for k, v in sums.items() if v} == dict(per_class)
     # (Beside them, the empty series made at start, as vLLM makes its own, count nothing.)
     assert {k: v for k, v in counts.items() if v} == {str(c): LOAD.requests / CLASSES for c in range(CLASSES)}
     for name in ("vllm:request_num_preemptions_sum", "vllm:request_num_preemptions_count"):
-        assert _total(run.ours, name) == _total(run.theirs, name), name
-
-
-def _by_le(samples: Samples, name: str) -> dict[str, float]:
-    out: Counter[str] = Counter()
-    for (n, labels), v in samples.items():
-        if n == name:
-            out[dict(labels)["le"]] += v
-    return dict(out)
+        assert total(run.ours, name) == total(run.theirs, name), name
 
 
 def test_each_class_has_its_own_latencies_and_tokens_summing_to_vllms(run: Run) -> None:
@@ -112,11 +88,11 @@ def test_each_class_has_its_own_latencies_and_tokens_summing_to_vllms(run: Run) 
     vLLM's own: bucket by bucket under the Python frontend, whose values they are; the counts
     under the Rust frontend, whose values come from the engine core's stream, on its clock."""
     ttft, itl = "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds"
-    counts = _by_tenant(run.ours, ttft + "_count")
+    counts = by_label(run.ours, ttft + "_count", "tenant")
     assert {k: v for k, v in counts.items() if v} == {str(c): LOAD.requests / CLASSES for c in range(CLASSES)}
     for name in (ttft + "_count", itl + "_count", "vllm:generation_tokens_total", "vllm:prompt_tokens_total"):
         assert all("tenant" in dict(labels) for (n, labels), v in run.ours.items() if n == name and v), name
-        assert _total(run.ours, name) == _total(run.theirs, name) > 0, name
+        assert total(run.ours, name) == total(run.theirs, name) > 0, name
     if not run.rust:
         for name in (ttft + "_bucket", itl + "_bucket"):
-            assert _by_le(run.ours, name) == _by_le(run.theirs, name), name
+            assert by_label(run.ours, name, "le") == by_label(run.theirs, name, "le"), name

@@ -1,0 +1,40 @@
+"""The engine core's own record of its preemptions, which the real-engine tests hold otel-llm's
+series against: ``preemption_truth/sitecustomize.py``, put on the served engine's path by
+:func:`recording_env`, writes one JSON line per preemption (victim, cause, their priorities and
+adapters). And sums over scraped /metrics samples, by a label."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+TRUTH_RECORDER = Path(__file__).resolve().parent / "preemption_truth"
+Samples = dict[tuple[str, frozenset], float]
+
+
+def recording_env(record: Path) -> dict[str, str]:
+    """What a server's environment adds so that its engine core writes its record to ``record``."""
+    return {
+        "PYTHONPATH": os.pathsep.join(p for p in (str(TRUTH_RECORDER), os.environ.get("PYTHONPATH")) if p),
+        "OTEL_LLM_TEST_PREEMPTION_TRUTH": str(record),
+    }
+
+
+def read_record(record: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in record.read_text().splitlines()]
+
+
+def total(samples: Samples, name: str) -> float:
+    return sum(v for (n, _), v in samples.items() if n == name)
+
+
+def by_label(samples: Samples, name: str, label: str) -> dict[str, float]:
+    """``name``'s samples summed by the value of ``label``."""
+    out: Counter[str] = Counter()
+    for (n, labels), v in samples.items():
+        if n == name:
+            out[dict(labels)[label]] += v
+    return dict(out)
