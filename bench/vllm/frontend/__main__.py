@@ -12,7 +12,7 @@ from ...common import write_section
 from .. import frontend as package
 from . import INSTRUCTIONS_KEY, KEY, ROOT
 from .client import client_main
-from .frontend import TENANTS_VARIANT, VARIANTS
+from .frontend import TENANT_VARIANTS, VARIANTS
 from .instruction_counts import count_round, instruction_table_lines, run_instructions
 from .rounds import LOADS, run, table_lines
 
@@ -44,9 +44,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument(
         "--variants",
         nargs="+",
-        choices=(*VARIANTS, TENANTS_VARIANT),
+        choices=(*VARIANTS, *TENANT_VARIANTS),
         default=VARIANTS,
-        help=f"these only (stock always; {TENANTS_VARIANT}: otlp with OTEL_LLM_TENANT=priority, with --tenants)",
+        help="these only (stock always; tenants / replace_tenants: otlp / replace with OTEL_LLM_TENANT=priority, "
+        "with --tenants)",
     )
     p.add_argument(
         "--tenants",
@@ -56,7 +57,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         f"(key {INSTRUCTIONS_KEY}_tenants)",
     )
     p.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--count-round", choices=(*VARIANTS, TENANTS_VARIANT), help=argparse.SUPPRESS)
+    p.add_argument("--count-round", choices=(*VARIANTS, *TENANT_VARIANTS), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.client:
         return client_main()
@@ -67,8 +68,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             count_round(args.count_round, args.requests, args.tokens, args.running, args.loads or 1, args.tenants)
         )
         return 0
-    if (TENANTS_VARIANT in args.variants) != bool(args.tenants) or (args.tenants and not args.instructions):
-        p.error(f"--tenants N (at least 1) with --instructions and the variant {TENANTS_VARIANT}, one with the other")
+    if bool(set(TENANT_VARIANTS) & set(args.variants)) != bool(args.tenants) or (
+        args.tenants and not args.instructions
+    ):
+        p.error(
+            "--tenants N (at least 1) with --instructions and a variant of "
+            + " or ".join(TENANT_VARIANTS)
+            + ", one with the other"
+        )
     if args.instructions:
         if args.jobs < 1:
             p.error("--jobs: at least 1")

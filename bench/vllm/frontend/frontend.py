@@ -21,9 +21,10 @@ from . import ROOT
 from .scripted_core import ScriptedCore
 
 VARIANTS = ("stock", "metrics", "spans", "deep_hook", "otlp", "each_step", "replace")
-# ``otlp`` with OTEL_LLM_TENANT=priority: run with --tenants N (every variant's requests then carry
-# priorities 0..N-1, under vLLM's priority scheduling policy), not by default.
-TENANTS_VARIANT = "tenants"
+# ``otlp`` and ``replace`` with OTEL_LLM_TENANT=priority: run with --tenants N (every variant's
+# requests then carry priorities 0..N-1, under vLLM's priority scheduling policy), not by default.
+TENANTS_VARIANT, REPLACE_TENANTS_VARIANT = "tenants", "replace_tenants"
+TENANT_VARIANTS = (TENANTS_VARIANT, REPLACE_TENANTS_VARIANT)
 MODEL_NAME = "tiny"
 
 # The plugin's settings per variant (everything else unset); None: the plugin not loaded. The deep
@@ -47,13 +48,9 @@ _PLUGIN_ENV: dict[str, Optional[dict[str, str]]] = {
         "OTEL_LLM_VLLM_DEEP_HOOK": "1",
         "OTEL_LLM_VLLM_METRICS": "replace",
     },
-    TENANTS_VARIANT: {
-        "OTEL_METRICS_EXPORTER": "otlp",
-        "OTEL_TRACES_EXPORTER": "otlp",
-        "OTEL_LLM_VLLM_DEEP_HOOK": "1",
-        "OTEL_LLM_TENANT": "priority",
-    },
 }
+_PLUGIN_ENV[TENANTS_VARIANT] = {**_PLUGIN_ENV["otlp"], "OTEL_LLM_TENANT": "priority"}  # type: ignore[dict-item]
+_PLUGIN_ENV[REPLACE_TENANTS_VARIANT] = {**_PLUGIN_ENV["replace"], "OTEL_LLM_TENANT": "priority"}  # type: ignore[dict-item]
 
 
 def _vllm_environment(cache: str) -> None:
