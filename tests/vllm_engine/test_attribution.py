@@ -13,6 +13,7 @@ requests (vLLM's dev endpoint): preemptions whose cause is no request.
 from __future__ import annotations
 
 import asyncio
+import signal
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,9 +25,11 @@ from engine_record import Samples, read_record, recording_env
 from otel_llm.testing.span_receiver import span_attributes
 from otel_llm.testing.vllm.server import MODEL_NAME, Load, VllmServer, run_load, scrape
 from tests.support.backends import wait_until
+from tests.vllm_engine.test_faults import _burst, _engine_cores, _signal
 
 LOAD = Load(requests=64, concurrency=64, max_tokens=96, seed=1)
 RESET_TRIES = 3
+RESET_BURST_S = 0.005  # the engine core runs this long at a time while the reset is on its way
 
 
 @dataclass
@@ -41,20 +44,33 @@ class Run:
     channel_made: bool
 
 
-async def _stream_with_a_cache_reset(url: str) -> bool:
+async def _stream_with_a_cache_reset(url: str, cores: list[int]) -> bool:
     """A streamed completion; once it is running, the prefix cache reset with the running
-    requests (which preempts them all, this one included)."""
+    requests (which preempts them all, this one included). From its first chunk until the reset
+    is answered the engine core is held (``cores``, SIGSTOP) and runs in bursts of RESET_BURST_S:
+    on a busy machine the request would otherwise finish before the reset reaches the engine."""
     import aiohttp
 
     body = {"model": MODEL_NAME, "prompt": [11] * 40, "max_tokens": 200, "stream": True, "ignore_eos": True}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+
+        async def reset() -> bool:
+            async with session.post(f"{url}/reset_prefix_cache?reset_running_requests=true") as response:
+                return bool((await response.json())["success"])
+
         async with session.post(f"{url}/v1/completions", json=body) as response:
-            chunks, success = 0, False
+            success = False
             async for _line in response.content:
-                chunks += 1
-                if chunks == 4:  # tokens are flowing: the request runs
-                    async with session.post(f"{url}/reset_prefix_cache?reset_running_requests=true") as reset:
-                        success = bool((await reset.json())["success"])
+                if success:
+                    continue
+                _signal(cores, signal.SIGSTOP)  # a token came: the request runs
+                answered = asyncio.create_task(reset())
+                try:
+                    while not answered.done():
+                        await _burst(cores, RESET_BURST_S)
+                finally:
+                    _signal(cores, signal.SIGCONT)
+                success = await answered
             return success
 
 
@@ -87,11 +103,12 @@ def run(tiny_model: Path, otlp_sink: Any, tmp_path_factory: pytest.TempPathFacto
     with server:
         completions = run_load(server.url, LOAD)
         assert [c.status for c in completions] == [200] * LOAD.requests, server.log_tail()
-        # A client slowed by a busy machine may read its 4th chunk after the request finished
-        # (nothing running to reset): tried again, at most RESET_TRIES times, until vLLM preempted.
-        resets, reset_success = 0, False
+        # Tried again, at most RESET_TRIES times, until vLLM preempted on the reset.
+        assert server.proc is not None
+        cores, resets, reset_success = _engine_cores(server.proc.pid), 0, False
+        assert cores, "no engine-core process found"
         while resets < RESET_TRIES and not (reset_success and '"where": "reset"' in _read(truth_file)):
-            reset_success = asyncio.run(_stream_with_a_cache_reset(server.url))
+            reset_success = asyncio.run(_stream_with_a_cache_reset(server.url, cores))
             resets += 1
         channel_made = bool(list(tmp.glob("otel-llm-vllm-causes-*/*.sock")))
         wait_until(

@@ -156,8 +156,8 @@ def _signal(pids: list[int], sig: int) -> None:
             pass  # an engine core the fault killed
 
 
-async def _burst(cores: list[int]) -> None:
-    """The engine runs for BURST_S, timed by a shell of its own at a real-time priority: this
+async def _burst(cores: list[int], run_s: float = BURST_S) -> None:
+    """The engine runs for ``run_s``, timed by a shell of its own at a real-time priority: this
     test's event loop may be seconds late on a busy machine (the streams' chunks to read), and
     an ordinary shell was seen held back up to 3 s between its two signals, the engine running on
     (the server's session is a scheduling group of its own, which nice does not rank below this
@@ -169,7 +169,7 @@ async def _burst(cores: list[int]) -> None:
         "50",
         "sh",
         "-c",
-        f"kill -CONT {pids}; sleep {BURST_S}; kill -STOP {pids}",
+        f"kill -CONT {pids}; sleep {run_s}; kill -STOP {pids}",
     )
     assert await shell.wait() == 0, "the burst's shell failed (its stderr above; chrt needs root)"
 

@@ -468,11 +468,16 @@ def _install_trace_context_capture(warn_once: Callable[[str, BaseException], Non
 
 
 def uninstall() -> None:
-    """Restore vLLM's methods and forget a failed attempt (tests)."""
+    """Restore vLLM's methods and forget a failed attempt, the stat loggers listening and the
+    requests ended but not yet recorded (tests: a logger of an earlier test, not yet collected,
+    would otherwise take the next test's ended requests)."""
     with _lock:
         for owner, name, original in reversed(_state["originals"]):
             setattr(owner, name, original)
         _state.update(installed=False, failed=None, originals=[], notes=None)
+        _listeners.clear()
+        traces.ended.clear()
+        traces.lost[0] = 0
 
 
 def is_installed() -> bool:
