@@ -46,32 +46,37 @@ class Run:
 
 async def _stream_with_a_cache_reset(url: str, cores: list[int]) -> bool:
     """A streamed completion; once it is running, the prefix cache reset with the running
-    requests (which preempts them all, this one included). From its first chunk until the reset
-    is answered the engine core is held (``cores``, SIGSTOP) and runs in bursts of RESET_BURST_S:
-    on a busy machine the request would otherwise finish before the reset reaches the engine."""
+    requests (which preempts them all, this one included). The engine core (``cores``) is held
+    (SIGSTOP) from before the request until the reset is answered, and runs in bursts of
+    RESET_BURST_S: however slow this client is to read the first token and to ask for the reset,
+    the engine can have made only a few tokens meanwhile, not the request's 200."""
     import aiohttp
 
     body = {"model": MODEL_NAME, "prompt": [11] * 40, "max_tokens": 200, "stream": True, "ignore_eos": True}
+    running = asyncio.Event()
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+
+        async def stream() -> None:
+            async with session.post(f"{url}/v1/completions", json=body) as response:
+                async for _line in response.content:
+                    running.set()  # a token came: the request runs
 
         async def reset() -> bool:
             async with session.post(f"{url}/reset_prefix_cache?reset_running_requests=true") as response:
                 return bool((await response.json())["success"])
 
-        async with session.post(f"{url}/v1/completions", json=body) as response:
-            success = False
-            async for _line in response.content:
-                if success:
-                    continue
-                _signal(cores, signal.SIGSTOP)  # a token came: the request runs
-                answered = asyncio.create_task(reset())
-                try:
-                    while not answered.done():
-                        await _burst(cores, RESET_BURST_S)
-                finally:
-                    _signal(cores, signal.SIGCONT)
-                success = await answered
-            return success
+        _signal(cores, signal.SIGSTOP)
+        try:
+            streamed = asyncio.create_task(stream())
+            while not (running.is_set() or streamed.done()):
+                await _burst(cores, RESET_BURST_S)
+            answered = asyncio.create_task(reset())
+            while not answered.done():
+                await _burst(cores, RESET_BURST_S)
+        finally:
+            _signal(cores, signal.SIGCONT)
+        await streamed
+        return await answered
 
 
 def _read(path: Path) -> str:
