@@ -43,6 +43,21 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_new_locks_after_fork)
 
 
+def _each_latency(
+    series: "SdkRecorder | SdkTenantSeries",
+    ttfts: Sequence[float],
+    itls: Sequence[float],
+    exemplar: Optional[ExemplarIds],
+    ctx: Any,
+) -> None:
+    """``latencies`` as one ``ttft`` / ``tokens`` record each: the SDK's instruments take one value
+    at a time."""
+    for value in ttfts:
+        series.ttft(value, exemplar, ctx)
+    for value in itls:
+        series.tokens(0, value, exemplar, ctx)
+
+
 class SdkRecorder:
     """One SDK ``record``/``add``/``set`` per observation, attributes passed on every call."""
 
@@ -97,6 +112,11 @@ class SdkRecorder:
         if itl is not None:
             self.i["inter_token_latency_seconds"].record(itl, self.attributes, context=ctx)
 
+    def latencies(
+        self, ttfts: Sequence[float], itls: Sequence[float], exemplar: Optional[ExemplarIds], ctx: Any
+    ) -> None:
+        _each_latency(self, ttfts, itls, exemplar, ctx)
+
     def finished(self, summary: RequestSummary, exemplar: Optional[ExemplarIds], ctx: Any) -> None:
         self.finished_as(summary, ctx, self.attributes, self._error_attributes)
 
@@ -135,14 +155,6 @@ class SdkRecorder:
     def dropped(self, reason: str, n: int = 1) -> None:
         self.i["dropped_events"].add(n, {**self.attributes, self._drop_key: reason})
 
-    def latencies(
-        self, ttfts: Sequence[float], itls: Sequence[float], exemplar: Optional[ExemplarIds], ctx: Any
-    ) -> None:
-        for value in ttfts:
-            self.ttft(value, exemplar, ctx)
-        for value in itls:
-            self.tokens(0, value, exemplar, ctx)
-
     def show_zero_series(self, finish_reasons: Iterable[str], histograms: Iterable[str]) -> None:
         # An SDK histogram has no point before its first record: only the counter's series.
         for reason in finish_reasons:
@@ -177,10 +189,7 @@ class SdkTenantSeries:
     def latencies(
         self, ttfts: Sequence[float], itls: Sequence[float], exemplar: Optional[ExemplarIds], ctx: Any
     ) -> None:
-        for value in ttfts:
-            self.ttft(value, exemplar, ctx)
-        for value in itls:
-            self.tokens(0, value, exemplar, ctx)
+        _each_latency(self, ttfts, itls, exemplar, ctx)
 
     def finished(self, summary: RequestSummary, exemplar: Optional[ExemplarIds], ctx: Any) -> None:
         self.recorder.finished_as(summary, ctx, self.attributes, self._error_attributes)

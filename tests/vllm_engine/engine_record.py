@@ -1,7 +1,7 @@
 """The engine core's own record of its preemptions, which the real-engine tests hold otel-llm's
 series against: ``preemption_truth/sitecustomize.py``, put on the served engine's path by
 :func:`recording_env`, writes one JSON line per preemption (victim, cause, their priorities and
-adapters). And sums over scraped /metrics samples, by a label."""
+adapters). And scraped /metrics samples: once they count a load, and their sums by a label."""
 
 from __future__ import annotations
 
@@ -10,6 +10,9 @@ import os
 from collections import Counter
 from pathlib import Path
 from typing import Any
+
+from otel_llm.testing.vllm.server import scrape
+from tests.support.backends import wait_until
 
 TRUTH_RECORDER = Path(__file__).resolve().parent / "preemption_truth"
 Samples = dict[tuple[str, frozenset], float]
@@ -38,3 +41,13 @@ def by_label(samples: Samples, name: str, label: str) -> dict[str, float]:
         if n == name:
             out[dict(labels)[label]] += v
     return dict(out)
+
+
+def scrape_once_counted(url: str, requests: int) -> Samples:
+    """``url``'s samples once they count ``requests`` finished (at most 60 s)."""
+
+    def counted() -> Samples:
+        samples = scrape(url)
+        return samples if total(samples, "vllm:request_success_total") >= requests else {}
+
+    return wait_until(counted, 60, interval=0.2, what=f"{requests} requests counted at {url}")

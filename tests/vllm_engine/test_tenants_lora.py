@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-from engine_record import Samples, by_label, read_record, recording_env, total
+from engine_record import Samples, by_label, read_record, recording_env, scrape_once_counted, total
 
 from otel_llm.testing.models import make_tiny_lora
 from otel_llm.testing.vllm.server import (
@@ -30,9 +30,8 @@ from otel_llm.testing.vllm.server import (
     VllmServer,
     run_load,
     rust_frontend_missing,
-    scrape,
 )
-from tests.support.backends import require_backend, wait_until
+from tests.support.backends import require_backend
 
 ADAPTERS = ("a", "b")
 TENANTS = (*ADAPTERS, MODEL_NAME)  # a base-model request's tenant is the served model
@@ -94,13 +93,8 @@ def run(tiny_model: Path, adapters: dict[str, Path], tmp_path_factory: pytest.Te
     with server:
         completions = run_load(server.url, LOAD)
         assert [c.status for c in completions] == [200] * LOAD.requests, server.log_tail()
-
-        def counted(url: str) -> Samples:
-            samples = scrape(url)
-            return samples if total(samples, "vllm:request_success_total") >= LOAD.requests else {}
-
-        theirs = wait_until(lambda: counted(server.url + "/metrics"), 60, interval=0.2, what="vLLM's count")
-        ours = wait_until(lambda: counted(server.metrics_url), 60, interval=0.2, what="otel-llm's count")
+        theirs = scrape_once_counted(server.url + "/metrics", LOAD.requests)
+        ours = scrape_once_counted(server.metrics_url, LOAD.requests)
         generated = {tenant: _generate(server.url, tenant) for tenant in TENANTS}
         yield Run(read_record(truth_file), ours, theirs, generated)
 

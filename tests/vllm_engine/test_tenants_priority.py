@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-from engine_record import Samples, by_label, read_record, recording_env, total
+from engine_record import Samples, by_label, read_record, recording_env, scrape_once_counted, total
 
-from otel_llm.testing.vllm.server import Load, VllmServer, run_load, rust_frontend_missing, scrape
-from tests.support.backends import require_backend, wait_until
+from otel_llm.testing.vllm.server import Load, VllmServer, run_load, rust_frontend_missing
+from tests.support.backends import require_backend
 
 CLASSES = 3
 LOAD = Load(requests=48, concurrency=48, max_tokens=96, seed=5, traced=False, priorities=CLASSES)
@@ -49,13 +49,8 @@ def run(request: Any, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
     with server:
         completions = run_load(server.url, LOAD)
         assert [c.status for c in completions] == [200] * LOAD.requests, server.log_tail()
-
-        def counted(url: str) -> Samples:
-            samples = scrape(url)
-            return samples if total(samples, "vllm:request_success_total") >= LOAD.requests else {}
-
-        theirs = wait_until(lambda: counted(server.url + "/metrics"), 60, interval=0.2, what="vLLM's count")
-        ours = wait_until(lambda: counted(server.metrics_url), 60, interval=0.2, what="otel-llm's count")
+        theirs = scrape_once_counted(server.url + "/metrics", LOAD.requests)
+        ours = scrape_once_counted(server.metrics_url, LOAD.requests)
         yield Run(read_record(truth_file), ours, theirs, rust)
 
 
