@@ -75,6 +75,14 @@ class Scheduler:
                 self.record.append((victim, cause))
 
 
+def _three_classes() -> list[Any]:
+    """The default script's requests in three priority classes, by turns."""
+    specs = default_specs()
+    for i, spec in enumerate(specs):
+        spec.priority = i % 3
+    return specs
+
+
 def _by_tenant(samples: dict[Any, float], name: str) -> dict[tuple[str, Any], float]:
     """``{(tenant, le or None): value}`` of one sample name's points with a tenant."""
     return {
@@ -89,9 +97,7 @@ def test_per_tenant_series_and_the_matrix_equal_the_script(
 ) -> None:
     o = otel(tenant_sources=SOURCES_BY_ENTRY_POINT[ENTRY_POINT], tenant="priority")
     manager, _ = plugin_manager(vllm_config)
-    specs = default_specs()
-    for i, spec in enumerate(specs):
-        spec.priority = i % 3
+    specs = _three_classes()
     script = build(specs, time.monotonic(), time.time())
     scheduler = Scheduler(script, causes)
     run(manager, {0: script}, before_outputs=scheduler)
@@ -269,9 +275,7 @@ def test_a_request_aborted_without_vllms_stats_has_its_preemptions_in_the_matrix
     tenant's aborted_generation_tokens."""
     o = otel(tenant_sources=SOURCES_BY_ENTRY_POINT[ENTRY_POINT], tenant="priority")
     manager, _ = plugin_manager(vllm_config)
-    specs = default_specs()
-    for i, spec in enumerate(specs):
-        spec.priority = i % 3
+    specs = _three_classes()
     script = build(specs, time.monotonic(), time.time())
     scheduler = Scheduler(script, causes)
     cut = 32  # r7's six preemptions so far reported (the seventh comes later), r2's two: r2 finished
@@ -388,9 +392,7 @@ def test_beside_vllms_logger_the_per_tenant_series_are_recorded_and_the_others_r
         manager, ours = plugin_manager(vllm_config)
         impl = ours._impl
         assert (impl.steps_read, impl.keeping) == (True, Keeping.ITERATIONS)
-        specs = default_specs()
-        for i, spec in enumerate(specs):
-            spec.priority = i % 3
+        specs = _three_classes()
         run(manager, {0: build(specs, time.monotonic(), time.time())})
         got = _endpoint_samples(impl.handle.prometheus_port)
         expected = {

@@ -43,6 +43,15 @@ def by_label(samples: Samples, name: str, label: str) -> dict[str, float]:
     return dict(out)
 
 
+def matrix(samples: Samples) -> dict[tuple[str, str], float]:
+    """The tenant matrix's non-zero cells: (victim's tenant, cause's tenant) -> preemptions."""
+    return {
+        (dict(labels)["tenant"], dict(labels)["cause_tenant"]): v
+        for (n, labels), v in samples.items()
+        if n == "vllm:num_preemptions_by_tenant_total" and v
+    }
+
+
 def scrape_once_counted(url: str, requests: int) -> Samples:
     """``url``'s samples once they count ``requests`` finished (at most 60 s)."""
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-from engine_record import Samples, by_label, read_record, recording_env, scrape_once_counted, total
+from engine_record import Samples, by_label, matrix, read_record, recording_env, scrape_once_counted, total
 
 from otel_llm.testing.models import make_tiny_lora
 from otel_llm.testing.vllm.server import (
@@ -108,11 +108,7 @@ def test_the_tenant_matrix_is_the_engine_cores_record(run: Run) -> None:
     truth = Counter((_tenant(t["victim_lora"]), _tenant(t["cause_lora"])) for t in run.truth if t["cause"])
     assert sum(truth.values()) == len(run.truth) >= 20  # every preemption made room for a request
     assert any(victim != cause for victim, cause in truth), truth  # some crossed adapters
-    ours = {
-        (dict(labels)["tenant"], dict(labels)["cause_tenant"]): v
-        for (n, labels), v in run.ours.items()
-        if n == "vllm:num_preemptions_by_tenant_total" and v
-    }
+    ours = matrix(run.ours)
     assert ours == dict(truth)
     assert sum(ours.values()) == total(run.theirs, "vllm:num_preemptions_total")
 

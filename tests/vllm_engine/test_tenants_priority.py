@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-from engine_record import Samples, by_label, read_record, recording_env, scrape_once_counted, total
+from engine_record import Samples, by_label, matrix, read_record, recording_env, scrape_once_counted, total
 
 from otel_llm.testing.vllm.server import Load, VllmServer, run_load, rust_frontend_missing
 from tests.support.backends import require_backend
@@ -58,11 +58,7 @@ def test_the_tenant_matrix_is_the_engine_cores_record(run: Run) -> None:
     truth = Counter((str(t["victim_priority"]), str(t["cause_priority"])) for t in run.truth if t["cause"])
     assert sum(truth.values()) == len(run.truth) >= 20  # every preemption made room for a request
     assert any(victim != cause for victim, cause in truth), truth  # some crossed classes
-    ours = {
-        (dict(labels)["tenant"], dict(labels)["cause_tenant"]): v
-        for (n, labels), v in run.ours.items()
-        if n == "vllm:num_preemptions_by_tenant_total" and v
-    }
+    ours = matrix(run.ours)
     assert ours == dict(truth)
 
 
