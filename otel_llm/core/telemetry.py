@@ -46,6 +46,8 @@ _warned_providers: set[int] = set()
 
 # An engine step as an adapter keeps it (its engine's own stats, e.g. vLLM's), opaque here.
 KeptStep = Any
+# One tenant's per-iteration values: (tenant, ttfts, itls, prompt_tokens, generation_tokens).
+TenantIteration = tuple[str, Sequence[float], Sequence[float], int, int]
 
 
 class _Credit:
@@ -290,20 +292,33 @@ class EngineTelemetry:
         generation_tokens: int = 0,
         num_preemptions: int = 0,
         preemption_reason: str = "kv_cache_full",
-        tenant: Optional[str] = None,
     ) -> None:
-        """Per-iteration observations that are not tied to a request span; ``tenant``: the
-        latencies and tokens are that tenant's (:meth:`tenant_of`), the preemptions no one's."""
+        """Per-iteration observations that are not tied to a request span."""
         try:
             with self.metrics.lock:
                 m = self.metrics
-                series = m if tenant is None else m.for_tenant(tenant)
                 exemplar = self._sink.spanless_exemplar
-                series.latencies(tuple(ttfts), tuple(itls), exemplar, EMPTY_CONTEXT)
-                series.prompt_tokens(prompt_tokens)
-                series.tokens(generation_tokens, None, exemplar, EMPTY_CONTEXT)
+                m.latencies(tuple(ttfts), tuple(itls), exemplar, EMPTY_CONTEXT)
+                m.prompt_tokens(prompt_tokens)
+                m.tokens(generation_tokens, None, exemplar, EMPTY_CONTEXT)
                 for _ in range(num_preemptions):
                     m.preempted(preemption_reason, 0)
+        except Exception:  # noqa: BLE001 - never into the engine
+            self._sink.internal_error(None)
+
+    def record_iteration_by_tenant(self, parts: Iterable[TenantIteration]) -> None:
+        """Per-iteration latencies and token counts of several tenants (:meth:`tenant_of`), as
+        ``(tenant, ttfts, itls, prompt_tokens, generation_tokens)``, the sequences not reused by
+        the caller; one call for several engine steps."""
+        try:
+            with self.metrics.lock:
+                m = self.metrics
+                exemplar = self._sink.spanless_exemplar
+                for tenant, ttfts, itls, prompt_tokens, generation_tokens in parts:
+                    series = m.for_tenant(tenant)
+                    series.latencies(ttfts, itls, exemplar, EMPTY_CONTEXT)
+                    series.prompt_tokens(prompt_tokens)
+                    series.tokens(generation_tokens, None, exemplar, EMPTY_CONTEXT)
         except Exception:  # noqa: BLE001 - never into the engine
             self._sink.internal_error(None)
 

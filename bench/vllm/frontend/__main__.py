@@ -79,8 +79,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.instructions:
         if args.jobs < 1:
             p.error("--jobs: at least 1")
+        # Rounds of several loads (an export per several loads, as at the export interval) keep
+        # a key of their own beside the default rounds of one load.
+        key = f"{INSTRUCTIONS_KEY}_tenants" if args.tenants else INSTRUCTIONS_KEY
         return write_section(
-            f"{INSTRUCTIONS_KEY}_tenants" if args.tenants else INSTRUCTIONS_KEY,
+            key if (args.loads or 1) == 1 else f"{key}_loads{args.loads}",
             args.out,
             lambda: run_instructions(
                 args.requests,

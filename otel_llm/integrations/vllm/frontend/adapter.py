@@ -21,8 +21,9 @@ from typing import Any, Iterable, Optional
 
 from otel_llm.catalogue import drops
 from otel_llm.catalogue.metrics import METRICS
+from otel_llm.config import tenants
 from otel_llm.core.telemetry import EngineTelemetry
-from otel_llm.integrations.vllm.frontend import attribution, traces
+from otel_llm.integrations.vllm.frontend import attribution, tenant_steps, traces
 from otel_llm.integrations.vllm.frontend import deep_hook as vllm_deep_hook
 from otel_llm.integrations.vllm.frontend.step_translator import StepTranslator, VllmStep
 from otel_llm.integrations.vllm.plan import make_plan, read_step_series
@@ -48,9 +49,10 @@ class Keeping(enum.Enum):
     # Beside vLLM's logger, which records the per-step core series: only the finished requests
     # are left to translate, a few steps in a hundred.
     FINISHED_ONLY = "the steps with finished requests"
-    # The same with a tenant source: vLLM's per-step latencies and tokens have no tenant, each
-    # iteration's are split by tenant here.
-    ITERATIONS = "the steps with request outputs"
+    # The same with a tenant source: vLLM's per-step latencies and tokens have no tenant; each
+    # step's are taken by tenant (:mod:`.tenant_steps`), and of a step without finished
+    # requests only those are kept (its IterationStats where they could not be taken).
+    ITERATIONS = "the steps with finished requests, and every step's values by tenant"
     # With several API servers: at once, other API servers read the published scheduler gauges.
     NONE = "none"
 
@@ -107,10 +109,12 @@ class VllmAdapter:
             else Keeping.FINISHED_ONLY
         )
         self.deep_hook = vllm_deep_hook.enabled() and vllm_deep_hook.install()
-        # Only a source that differs by request needs each value's request noted (the model is
-        # every request's under this frontend).
+        # Only a source that differs by request needs each value taken by request (the model is
+        # every request's under this frontend); without, a step's values are one tenant's.
+        self.tenant_values: Optional[tenant_steps.Tenants] = None
         if source is not None and source.kind != "model" and self.deep_hook:
-            vllm_deep_hook.note_tenants()
+            first = self.telemetry[min(self.telemetry)]
+            self.tenant_values = vllm_deep_hook.note_tenants(lambda facts: first.tenant_of(facts) or tenants.UNSET)
         if self.deep_hook:
             vllm_deep_hook.listen(self.stopped)
             attribution.start()
@@ -182,6 +186,7 @@ class VllmAdapter:
             gauges=self.gauges,
             deep_hook=self.deep_hook,
             tenants=self.telemetry[idx].config.tenant is not None,
+            values=self.tenant_values,
         )
         self._translators[idx] = translator
         self.telemetry[idx].translate_steps_with(translator)
@@ -209,9 +214,35 @@ class VllmAdapter:
         keeping = self.keeping
         if keeping is Keeping.FINISHED_ONLY and not getattr(iteration_stats, "finished_requests", None):
             return
-        if keeping is Keeping.ITERATIONS and iteration_stats is None:
-            return
-        step = VllmStep(scheduler_stats, iteration_stats, mm_cache_stats, time.time() - time.monotonic())
+        values = None  # the step's values by tenant (tenant_steps.Taken); None: its IterationStats'
+        tenant_values = self.tenant_values
+        if tenant_values is not None and iteration_stats is not None:
+            try:
+                tenant_values.expected_ttfts += len(iteration_stats.time_to_first_tokens_iter)
+                tenant_values.expected_itls += len(iteration_stats.inter_token_latencies_iter)
+            except (AttributeError, TypeError):  # not vLLM's lists: the wrapper took nothing either
+                tenant_values = None
+        if tenant_values is not None:
+            if len(self.telemetry) == 1:  # taken with the other steps' when the engine's are translated
+                values = tenant_steps.TAKEN_LATER
+                if tenant_values.touched and not tenant_values.kept:
+                    tenant_values.kept = True
+                    tel.keep_step(tenant_values)
+            else:  # each step's to its own engine
+                values, accounted = tenant_values.take()
+                if not accounted:
+                    self.reader.warn_once("IterationStats", "update_from_output", tenant_steps.UNATTRIBUTED)
+                    values = None
+        if keeping is Keeping.ITERATIONS:
+            if iteration_stats is None:
+                return
+            if not getattr(iteration_stats, "finished_requests", None):
+                if values is None:
+                    tel.keep_step(iteration_stats)
+                elif values:
+                    tel.keep_step(values)
+                return
+        step = VllmStep(scheduler_stats, iteration_stats, mm_cache_stats, time.time() - time.monotonic(), values)
         idle = keeping is Keeping.NONE or (
             scheduler_stats is not None
             and getattr(scheduler_stats, "num_running_reqs", None) == 0

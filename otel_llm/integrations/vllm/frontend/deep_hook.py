@@ -253,24 +253,31 @@ def _install() -> Optional[str]:
     return None
 
 
-def note_tenants() -> bool:
-    """With a tenant source taken from each request's facts: the tenant of each value of vLLM's
-    per-step stats noted (:mod:`.tenant_steps`: ``IterationStats.update_from_output`` wrapped,
-    once, in this process only). False, with one warning, where the deep hook is not attached
-    or the method is not as relied on: those values are then recorded under the tenant of a
-    request with no facts."""
+def note_tenants(resolve: Callable[[Optional[dict]], str]) -> Optional[tenant_steps.Tenants]:
+    """With a tenant source taken from each request's facts: each value of vLLM's per-step stats
+    added to the values of its request's tenant (:mod:`.tenant_steps`:
+    ``IterationStats.update_from_output`` wrapped, once, in this process only), ``resolve``
+    giving a request's facts their tenant. None, with one warning, where the deep hook's
+    frontend part is not attached or the method is not as relied on: those values are then
+    recorded under the tenant of a request with no facts."""
     with _lock:
         if _state["notes"] is None:
             _state["notes"] = _install_notes()
-        return _state["notes"]
+        if not _state["notes"]:
+            return None
+        tenant_steps.current = tenant_steps.Tenants(resolve)
+        return tenant_steps.current
 
 
 def _install_notes() -> bool:
     if not _state["installed"]:
         return False
+    from vllm.v1.engine.output_processor import OutputProcessor
     from vllm.v1.metrics.stats import IterationStats as cls
 
     problem = tenant_steps.shape_problem(cls)
+    if problem is None and not getattr(OutputProcessor.add_request, _MARK, False):
+        problem = "the deep hook's frontend part is not attached"
     if problem is not None:
         _log.warning(
             "otel-llm deep hook: time to first token, inter-token latency and the token counters carry the "
@@ -278,15 +285,8 @@ def _install_notes() -> bool:
             problem,
         )
         return False
-    warned: list[bool] = []
-
-    def warn_once(what: str, exc: BaseException) -> None:
-        if not warned:
-            warned.append(True)
-            _log.warning("otel-llm deep hook: %s failed (%r); that value keeps no tenant of its own", what, exc)
-
     if not getattr(cls.update_from_output, _MARK, False):
-        _wrap(cls, "update_from_output", tenant_steps.wrapper(cls.update_from_output, warn_once))
+        _wrap(cls, "update_from_output", tenant_steps.wrapper(cls.update_from_output))
     return True
 
 
@@ -402,6 +402,9 @@ def _install_trace_context_capture(warn_once: Callable[[str, BaseException], Non
                 trace.external_id = str(getattr(req_state, "external_req_id", None) or request.request_id)
                 trace.arrival_time = getattr(req_state.stats, "arrival_time", None)
                 trace.tenant_facts = tenant_facts(request)
+                values = tenant_steps.current
+                if values is not None:
+                    trace.values = values.values_for(trace.tenant_facts)
                 traces.arrived(trace.internal_id, trace)
         except Exception as exc:  # noqa: BLE001 - never into vLLM's request path
             warn_once("keeping the request's trace", exc)
@@ -475,6 +478,7 @@ def uninstall() -> None:
         for owner, name, original in reversed(_state["originals"]):
             setattr(owner, name, original)
         _state.update(installed=False, failed=None, originals=[], notes=None)
+        tenant_steps.current = None
         _listeners.clear()
         traces.ended.clear()
         traces.lost[0] = 0

@@ -33,6 +33,8 @@ from otel_llm.summary import ENGINE_DEAD, SHUTDOWN, PreemptionCause, RequestSumm
 
 _log = logging.getLogger("otel_llm.integrations.vllm")  # one logger for the vLLM adapter, whichever module logs
 _PREEMPTIONS = next(f for f in ITERATION_COUNTS if f.ours == "num_preemptions")
+_TTFTS, _ITLS = ITERATION_LATENCIES
+_PROMPT, _GENERATION = (f for f in ITERATION_COUNTS if f.ours in ("prompt_tokens", "generation_tokens"))
 _told_unknown: list[bool] = []  # the one warning that, without the deep hook, causes are unknown
 
 
@@ -47,6 +49,8 @@ class VllmStep:
     mm_cache_stats: Any
     # time.time() - time.monotonic() when it came: vLLM's wall-clock times onto the engine clock.
     wall_offset: float
+    # With a tenant source: the step's values by tenant (tenant_steps.Taken); None: not taken.
+    tenant_values: Optional[list] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,8 +76,10 @@ class StepTranslator:
     read from vLLM's logger, only the finished requests are translated; ``gauges``: the
     scheduler gauges shared with other API servers, published per step; ``deep_hook``: the deep
     hook is attached (what it saw of each request, its preemptions' causes included);
-    ``tenants``: the telemetry has a tenant source (each step's latencies and tokens are split by
-    tenant, :mod:`.tenant_steps`, also when the other per-step series are read).
+    ``tenants``: the telemetry has a tenant source (each step's latencies and tokens are recorded
+    by tenant, also when the other per-step series are read); ``values``: where those are taken
+    by tenant (:mod:`.tenant_steps`; None: each step's are its IterationStats', all under the
+    tenant of a request with no facts).
     """
 
     def __init__(
@@ -86,6 +92,7 @@ class StepTranslator:
         gauges: Any = None,
         deep_hook: bool = False,
         tenants: bool = False,
+        values: Optional[tenant_steps.Tenants] = None,
     ) -> None:
         self.engine_idx = engine_idx
         self.tenants = tenants
@@ -94,9 +101,15 @@ class StepTranslator:
         self.steps_read = steps_read
         self.gauges = gauges
         self.deep_hook = deep_hook
+        self.values = values
         self._last_sched: Optional[tuple[int, int, float]] = None  # (running, waiting, usage)
 
-    def __call__(self, telemetry: EngineTelemetry, steps: Sequence[VllmStep]) -> None:
+    def __call__(self, telemetry: EngineTelemetry, steps: Sequence[Any]) -> None:
+        """``steps``: those kept in a row, and with a tenant source (beside vLLM's logger) the
+        values of the steps in between by tenant, or those steps' ``IterationStats``."""
+        kept = steps
+        if self.tenants:
+            steps = [s for s in kept if type(s) is VllmStep]
         if self.series is not None and self.series.reader is None:  # read from vLLM's logger: nothing to run
             for s in steps:
                 self.series.run(
@@ -112,8 +125,8 @@ class StepTranslator:
                 self._record_iteration(telemetry, iterations)
             for s in steps:
                 self._record_step(telemetry, s)
-        elif self.tenants and iterations:
-            self._record_by_tenant(telemetry, iterations)
+        elif self.tenants:
+            self._record_by_tenant(telemetry, kept)
         self._record_finished(telemetry, iterations)
 
     def _record_iteration(self, telemetry: EngineTelemetry, iterations: Sequence[VllmStep]) -> None:
@@ -135,26 +148,47 @@ class StepTranslator:
                 values[f.ours] += int(r.number(it, f.vllm, f.metric) or 0)
         telemetry.record_iteration(**values, preemption_reason=DEFAULT_PREEMPTION_REASON)
 
-    def _record_by_tenant(self, telemetry: EngineTelemetry, iterations: Sequence[VllmStep]) -> None:
-        """Several steps' latencies and token counts, each tenant's in one call."""
-        parts: dict[str, tenant_steps.TenantStep] = {}
-
-        def tenant_of(trace: Optional[RequestTrace]) -> str:
-            if trace is None:
-                return telemetry.tenant_of(None) or tenants.UNSET
-            trace.tenant = telemetry.tenant_of(trace.tenant_facts) or tenants.UNSET  # once per request
-            return trace.tenant
-
-        for s in iterations:
-            tenant_steps.split(s.iteration_stats, self.reader, tenant_of, parts)
-        for tenant, part in parts.items():
-            telemetry.record_iteration(
-                ttfts=part.ttfts,
-                itls=part.itls,
-                prompt_tokens=part.prompt_tokens,
-                generation_tokens=part.generation_tokens,
-                tenant=tenant,
+    def _record_by_tenant(self, telemetry: EngineTelemetry, kept: Sequence[Any]) -> None:
+        """Several steps' latencies and token counts, each tenant's in one call: taken by tenant
+        (:mod:`.tenant_steps`) with each step or, for the steps whose values are taken later,
+        from ``values`` now; all of a step's under the tenant of a request with no facts where
+        they could not be."""
+        takes: list[tenant_steps.Taken] = []
+        for s in kept:
+            if type(s) is list:
+                takes.append(s)
+            elif type(s) is not tenant_steps.Tenants:  # the values, kept to be taken: below
+                it = s.iteration_stats if type(s) is VllmStep else s
+                taken = s.tenant_values if type(s) is VllmStep else None
+                if taken is not None:
+                    if taken:
+                        takes.append(taken)
+                elif it is not None:
+                    takes.append([self._unattributed(it)])
+        values = self.values
+        if values is not None and (values.touched or values.kept):
+            taken, accounted = values.take()
+            if not accounted:
+                self.reader.warn_once("IterationStats", "update_from_output", tenant_steps.UNACCOUNTED)
+            takes.append(taken)
+        no_facts: Optional[str] = None  # the tenant of values no request's tenant took
+        for taken in takes:
+            if no_facts is None and any(part[0] is None for part in taken):
+                no_facts = telemetry.tenant_of(None) or tenants.UNSET
+            telemetry.record_iteration_by_tenant(
+                [(t if t is not None else no_facts or tenants.UNSET, a, b, c, d) for t, a, b, c, d in taken]
             )
+
+    def _unattributed(self, it: Any) -> tuple[None, Sequence[float], Sequence[float], int, int]:
+        """A step's values, taken by no tenant."""
+        r = self.reader
+        return (
+            None,
+            r.sequence(it, _TTFTS.vllm, _TTFTS.metric),
+            r.sequence(it, _ITLS.vllm, _ITLS.metric),
+            int(r.number(it, _PROMPT.vllm, _PROMPT.metric) or 0),
+            int(r.number(it, _GENERATION.vllm, _GENERATION.metric) or 0),
+        )
 
     def _record_step(self, telemetry: EngineTelemetry, s: VllmStep) -> None:
         r, sched, it = self.reader, s.scheduler_stats, s.iteration_stats

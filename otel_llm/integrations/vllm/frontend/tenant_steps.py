@@ -1,40 +1,39 @@
 """Under vLLM's Python frontend, with a tenant source: each engine step's time to first token,
-inter-token latencies and prompt / generation token counts split by the tenant of the request
-each came from.
+inter-token latencies and prompt / generation token counts by the tenant of the request each
+came from.
 
 vLLM's ``IterationStats`` keeps them as per-step lists and sums that name no request. Its
 ``update_from_output(output, engine_core_timestamp, is_prefilling, req_stats, ...)``, called by
 the output processor once per request output, appends one time to first token when the request
 was prefilling, else one inter-token latency, and adds the output's new tokens and, in prefill,
-its prompt tokens. A wrapper (:func:`wrapper`, installed by the deep hook only when a tenant
-source needs it) notes each call's ``(req_stats, is_prefilling, output)`` on the
-``IterationStats``; the step translator (:func:`split`) pairs the notes with vLLM's values in
-order, each request's tenant from the trace the deep hook keeps on its ``req_stats``. Values the
-notes do not account for (a vLLM that computes them otherwise) are recorded under the tenant of a
-request with no facts, said once: summed over tenant, each series stays vLLM's.
+its prompt tokens. Each request arriving is given its tenant's :class:`TenantValues` (its
+tenant resolved once) on the trace the deep hook keeps on its ``req_stats``; a wrapper of
+``update_from_output`` (:func:`wrapper`, installed by the deep hook only when a tenant source
+needs it) adds what each call added to them as it goes, so that nothing per output is left to
+pair or sort later: on vLLM's event loop, every Python operation per output token counts.
+
+The stat logger counts each step's times to first token and inter-token latencies as vLLM's
+lists have them, and the values are taken (:meth:`Tenants.take`) when the engine's kept steps
+are translated, several steps at once, and checked against those counts (a vLLM that computes
+them otherwise is said once). Where one stat logger records several engines, the values are
+taken at each step instead, to go to the engine the step came from, and a step they do not
+account for has all of its values recorded under the tenant of a request with no facts.
+Requests that carry no values (arrived before they were taken) count under that tenant too.
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
-from otel_llm.integrations.vllm.frontend.traces import TRACE_ATTR, RequestTrace
-from otel_llm.integrations.vllm.translation.fields import FieldReader
-from otel_llm.integrations.vllm.translation.translate import ITERATION_COUNTS, ITERATION_LATENCIES
+from otel_llm.integrations.vllm.frontend.traces import TRACE_ATTR
 
-# On an IterationStats: [(req_stats, is_prefilling, output)]. Set and read with setattr / getattr,
-# never through the instance's __dict__: reading that gives the object a dict of its own, and every
-# attribute vLLM then reads on it costs more (a third of what the notes cost).
-NOTES_ATTR = "_otel_llm_outputs"
 _PARAMETERS = ["self", "output", "engine_core_timestamp", "is_prefilling", "req_stats"]
 _EXACT = [*_PARAMETERS, "lora_states", "lora_name"]
-_TTFTS, _ITLS = ITERATION_LATENCIES
-_PROMPT, _GENERATION = (f for f in ITERATION_COUNTS if f.ours in ("prompt_tokens", "generation_tokens"))
 
 
 def shape_problem(stats_cls: type) -> Optional[str]:
-    """Why the notes cannot be taken on this vLLM's ``IterationStats``, or None."""
+    """Why the values cannot be taken on this vLLM's ``IterationStats``, or None."""
     method = getattr(stats_cls, "update_from_output", None)
     if method is None:
         return "IterationStats.update_from_output not found"
@@ -44,20 +43,111 @@ def shape_problem(stats_cls: type) -> Optional[str]:
     return None
 
 
-def wrapper(original: Callable, warn_once: Callable[[str, BaseException], None]) -> Callable:
-    """``IterationStats.update_from_output``, noting what each call was about (the hot path:
-    one tuple per request output, nothing read). Where vLLM's takes exactly the seven
-    parameters of vLLM 0.32-0.34, a wrapper of that signature (half the call's cost)."""
+class TenantValues:
+    """The values of one tenant's requests since the last :meth:`Tenants.take` (``tenant``
+    None: of requests that carry no values, under the tenant of a request with no facts)."""
 
-    def note(self: Any, output: Any, is_prefilling: Any, req_stats: Any) -> None:
+    __slots__ = ("tenant", "ttfts", "itls", "prompt_tokens", "generation_tokens", "pending", "touched")
+
+    def __init__(self, tenant: Optional[str], touched: list["TenantValues"]) -> None:
+        self.tenant = tenant
+        self.ttfts: list[float] = []
+        self.itls: list[float] = []
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.pending = False  # in ``touched``: has values to take
+        self.touched = touched
+
+    def add(self, stats: Any, output: Any, is_prefilling: Any) -> None:
+        """What one ``update_from_output`` call added to ``stats``."""
+        if is_prefilling:
+            self.first_token(stats, output)
+        else:
+            self.itls.append(stats.inter_token_latencies_iter[-1])
+        self.generation_tokens += len(output.new_token_ids)
+        if not self.pending:
+            self.pending = True
+            self.touched.append(self)
+
+    def first_token(self, stats: Any, output: Any) -> None:
+        self.ttfts.append(stats.time_to_first_tokens_iter[-1])
+        prefill = output.prefill_stats
+        if prefill is not None:
+            self.prompt_tokens += prefill.num_prompt_tokens
+
+
+# One step's values by tenant: (tenant, ttfts, itls, prompt tokens, generation tokens); tenant
+# None: those of requests that carry no values.
+Taken = list[tuple[Optional[str], Sequence[float], Sequence[float], int, int]]
+# A step's values as kept with it when they are taken with the other steps' at translation.
+TAKEN_LATER: Taken = []
+
+
+class Tenants:
+    """Every tenant's values in this process (as many as the resolver gives labels: bounded),
+    what gives a request's tenant facts their label (the telemetry's resolver), and how many
+    times to first token and inter-token latencies vLLM's steps had since the last take
+    (``expected_*``, counted by the stat logger: what the values taken must account for)."""
+
+    def __init__(self, resolve: Callable[[Optional[dict]], str]) -> None:
+        self.resolve = resolve
+        self.touched: list[TenantValues] = []  # those with values, in the order they got them
+        self.values: dict[str, TenantValues] = {}
+        self.no_values = TenantValues(None, self.touched)
+        self.expected_ttfts = 0
+        self.expected_itls = 0
+        self.kept = False  # kept by the engine's telemetry, to be taken at its next translation
+
+    def values_for(self, facts: Optional[dict]) -> TenantValues:
+        """The values a request with these facts adds to (at its arrival)."""
+        tenant = self.resolve(facts)
+        values = self.values.get(tenant)
+        if values is None:
+            values = self.values[tenant] = TenantValues(tenant, self.touched)
+        return values
+
+    def take(self) -> tuple[Taken, bool]:
+        """The values added since the last take, by tenant, and whether they account for the
+        times to first token and inter-token latencies vLLM's steps had meanwhile."""
+        taken: Taken = []
+        ttfts = itls = 0
+        for values in self.touched:
+            taken.append((values.tenant, values.ttfts, values.itls, values.prompt_tokens, values.generation_tokens))
+            ttfts += len(values.ttfts)
+            itls += len(values.itls)
+            values.ttfts = []
+            values.itls = []
+            values.prompt_tokens = values.generation_tokens = 0
+            values.pending = False
+        self.touched.clear()
+        accounted = (ttfts, itls) == (self.expected_ttfts, self.expected_itls)
+        self.expected_ttfts = self.expected_itls = 0
+        self.kept = False
+        return taken, accounted
+
+
+UNACCOUNTED = (
+    "adds values its calls do not account for: the per-tenant time to first token, inter-token latency and "
+    "token counters may not sum to vLLM's"
+)
+UNATTRIBUTED = (
+    "adds values its calls do not account for: the values of such a step are recorded under the tenant of a "
+    "request with no facts (summed over tenant, each series stays vLLM's)"
+)
+
+
+def wrapper(original: Callable) -> Callable:
+    """``IterationStats.update_from_output``, adding what each call added to the values of its
+    request's tenant (the hot path: once per request output). Where vLLM's takes exactly the
+    seven parameters of vLLM 0.32-0.34, a wrapper of that signature (no argument packing)."""
+    trace_attr = TRACE_ATTR
+
+    def add(self: Any, output: Any, is_prefilling: Any, req_stats: Any) -> None:
         try:
-            notes = getattr(self, NOTES_ATTR, None)
-            if notes is None:
-                notes = []
-                setattr(self, NOTES_ATTR, notes)
-            notes.append((req_stats, is_prefilling, output))
-        except Exception as exc:  # noqa: BLE001 - never into vLLM's output processor
-            warn_once("noting the tenant of a step's values", exc)
+            values = getattr(req_stats, trace_attr).values
+            values.add(self, output, is_prefilling)
+        except AttributeError:  # no trace, or no values on it
+            _add_without_values(self, output, is_prefilling)
 
     signature = inspect.signature(original)
     exact = list(signature.parameters) == _EXACT and all(
@@ -75,14 +165,18 @@ def wrapper(original: Callable, warn_once: Callable[[str, BaseException], None])
             lora_name: Any,
         ) -> Any:
             result = original(self, output, engine_core_timestamp, is_prefilling, req_stats, lora_states, lora_name)
-            try:  # the note inlined: one call fewer per output
-                notes = getattr(self, NOTES_ATTR, None)
-                if notes is None:
-                    notes = []
-                    setattr(self, NOTES_ATTR, notes)
-                notes.append((req_stats, is_prefilling, output))
-            except Exception as exc:  # noqa: BLE001 - never into vLLM's output processor
-                warn_once("noting the tenant of a step's values", exc)
+            try:  # TenantValues.add inlined: one call fewer per output
+                values = req_stats._otel_llm_trace.values  # TRACE_ATTR
+                if is_prefilling:
+                    values.first_token(self, output)
+                else:
+                    values.itls.append(self.inter_token_latencies_iter[-1])
+                values.generation_tokens += len(output.new_token_ids)
+                if not values.pending:
+                    values.pending = True
+                    values.touched.append(values)
+            except AttributeError:  # no trace, or no values on it
+                _add_without_values(self, output, is_prefilling)
             return result
 
         return update_from_output_exact
@@ -91,82 +185,20 @@ def wrapper(original: Callable, warn_once: Callable[[str, BaseException], None])
         self: Any, output: Any, engine_core_timestamp: Any, is_prefilling: Any, req_stats: Any, *args: Any, **kw: Any
     ) -> Any:
         result = original(self, output, engine_core_timestamp, is_prefilling, req_stats, *args, **kw)
-        note(self, output, is_prefilling, req_stats)
+        add(self, output, is_prefilling, req_stats)
         return result
 
     return update_from_output
 
 
-class TenantStep:
-    """One tenant's share of engine steps: its latencies and token counts."""
-
-    __slots__ = ("ttfts", "itls", "prompt_tokens", "generation_tokens")
-
-    def __init__(self) -> None:
-        self.ttfts: list[float] = []
-        self.itls: list[float] = []
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
-
-
-def split(
-    it: Any, reader: FieldReader, tenant_of: Callable[[Optional[RequestTrace]], str], into: dict[str, TenantStep]
-) -> None:
-    """Add one ``IterationStats``' values to ``into``, by tenant (``tenant_of`` a request's trace,
-    None for a request without one): each value to the tenant of the output it was noted with,
-    in order; without notes, every value to the tenant of a request with no facts. A value no
-    note accounts for (a vLLM that computes them otherwise) goes there too, said once. Once per
-    engine step on vLLM's event loop: fields read directly, through the reader only when one is
-    gone."""
+def _add_without_values(stats: Any, output: Any, is_prefilling: Any) -> None:
+    """An output of a request that carries no values (it arrived before they were taken)."""
     try:
-        ttfts, itls = it.time_to_first_tokens_iter, it.inter_token_latencies_iter
-        prompt, generation = it.num_prompt_tokens, it.num_generation_tokens
-    except AttributeError:
-        ttfts = reader.sequence(it, _TTFTS.vllm, _TTFTS.metric)
-        itls = reader.sequence(it, _ITLS.vllm, _ITLS.metric)
-        prompt = int(reader.number(it, _PROMPT.vllm, _PROMPT.metric) or 0)
-        generation = int(reader.number(it, _GENERATION.vllm, _GENERATION.metric) or 0)
-    notes = getattr(it, NOTES_ATTR, None)
-    n_ttft = n_itl = prompt_seen = generation_seen = 0
-    try:
-        for req_stats, prefilling, output in notes or ():
-            trace = getattr(req_stats, TRACE_ATTR, None)
-            tenant = trace.tenant if trace is not None else None
-            if tenant is None:
-                tenant = tenant_of(trace)
-            part = into.get(tenant)
-            if part is None:
-                part = into[tenant] = TenantStep()
-            tokens = len(output.new_token_ids)
-            part.generation_tokens += tokens
-            generation_seen += tokens
-            if prefilling:
-                part.ttfts.append(ttfts[n_ttft])
-                n_ttft += 1
-                prefill = output.prefill_stats
-                if prefill is not None:
-                    count = prefill.num_prompt_tokens
-                    part.prompt_tokens += count
-                    prompt_seen += count
-            else:
-                part.itls.append(itls[n_itl])
-                n_itl += 1
-    except Exception as exc:  # noqa: BLE001 - e.g. a field of vLLM's output gone: the rest is unattributed
-        reader.warn_once("IterationStats", "update_from_output", f"notes unreadable ({exc!r}): {_UNATTRIBUTED}")
-    if (n_ttft, n_itl, prompt_seen, generation_seen) == (len(ttfts), len(itls), prompt, generation):
-        return
-    if notes is not None:
-        reader.warn_once(
-            "IterationStats", "update_from_output", f"adds values its calls do not account for: {_UNATTRIBUTED}"
-        )
-    rest = into.get(tenant := tenant_of(None)) or into.setdefault(tenant, TenantStep())
-    rest.ttfts += ttfts[n_ttft:]
-    rest.itls += itls[n_itl:]
-    rest.prompt_tokens += max(0, prompt - prompt_seen)
-    rest.generation_tokens += max(0, generation - generation_seen)
+        if current is not None:
+            current.no_values.add(stats, output, is_prefilling)
+    except Exception:  # noqa: BLE001 - never into vLLM's output processor: the step's check tells
+        pass
 
 
-_UNATTRIBUTED = (
-    "the values of such a step that no note accounts for are recorded under the tenant of a request with no "
-    "facts (summed over tenant, each series stays vLLM's)"
-)
+# The values requests arriving now add to (the deep hook's; None: the values are not taken).
+current: Optional[Tenants] = None

@@ -33,7 +33,7 @@ class RequestTrace:
         "causes",
         "caused",
         "tenant_facts",
-        "tenant",
+        "values",
     )
 
     def __init__(self) -> None:
@@ -52,7 +52,8 @@ class RequestTrace:
         self.caused = 0  # preemptions this request's KV demand caused (itself included)
         # What a tenant is taken from (RequestEvent.tenant_facts): its priority and LoRA adapter.
         self.tenant_facts: Optional[dict] = None
-        self.tenant: Optional[str] = None  # its tenant label, once the step translator resolved it
+        # Its tenant's per-step values (tenant_steps.TenantValues), with a tenant source that needs them.
+        self.values: Any = None
 
     @property
     def preempted_at(self) -> tuple[float, ...]:
