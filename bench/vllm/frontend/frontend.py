@@ -182,7 +182,8 @@ class Frontend:
                     f"{port} {len(specs)} {specs[0].tokens} {int(scrape)} {self.loads} {self.tenants}\n".encode()
                 )
                 await client.stdin.drain()
-                answer = json.loads(await asyncio.wait_for(client.stdout.readline(), 600))
+                # Under callgrind a load takes about a minute.
+                answer = json.loads(await asyncio.wait_for(client.stdout.readline(), 600 * self.loads))
                 await asyncio.wait_for(core.finished.wait(), 60)
                 main_cpu = time.thread_time() - main0
                 # The round's telemetry leaves the process (its spans, a metrics export): counted, off the loop.

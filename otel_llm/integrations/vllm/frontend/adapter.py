@@ -113,8 +113,10 @@ class VllmAdapter:
         # every request's under this frontend); without, a step's values are one tenant's.
         self.tenant_values: Optional[tenant_steps.Tenants] = None
         if source is not None and source.kind != "model" and self.deep_hook:
-            first = self.telemetry[min(self.telemetry)]
-            self.tenant_values = vllm_deep_hook.note_tenants(lambda facts: first.tenant_of(facts) or tenants.UNSET)
+            first = self.telemetry[min(self.telemetry)]  # its resolver names every engine's tenants
+            self.tenant_values = vllm_deep_hook.take_tenant_values(
+                lambda facts: first.tenant_of(facts) or tenants.UNSET
+            )
         if self.deep_hook:
             vllm_deep_hook.listen(self.stopped)
             attribution.start()

@@ -68,8 +68,8 @@ FALLBACK = (
 SHUT_DOWN_ATTR = "_otel_llm_shut_down"  # on an AsyncLLM whose shutdown the stat loggers were told of
 _MARK = "__otel_llm_deep_hook__"
 _lock = threading.Lock()
-# "notes": whether the tenants of the per-step stats are noted (None: not asked yet).
-_state: dict[str, Any] = {"installed": False, "failed": None, "originals": [], "notes": None}
+# "values": whether the per-step stats are taken by tenant (None: not asked yet).
+_state: dict[str, Any] = {"installed": False, "failed": None, "originals": [], "values": None}
 # The trace headers of the request being added, from AsyncLLM.add_request to OutputProcessor.add_request.
 _adding_headers: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("otel_llm_trace_headers", default=None)
 
@@ -253,7 +253,7 @@ def _install() -> Optional[str]:
     return None
 
 
-def note_tenants(resolve: Callable[[Optional[dict]], str]) -> Optional[tenant_steps.Tenants]:
+def take_tenant_values(resolve: Callable[[Optional[dict]], str]) -> Optional[tenant_steps.Tenants]:
     """With a tenant source taken from each request's facts: each value of vLLM's per-step stats
     added to the values of its request's tenant (:mod:`.tenant_steps`:
     ``IterationStats.update_from_output`` wrapped, once, in this process only), ``resolve``
@@ -261,15 +261,15 @@ def note_tenants(resolve: Callable[[Optional[dict]], str]) -> Optional[tenant_st
     frontend part is not attached or the method is not as relied on: those values are then
     recorded under the tenant of a request with no facts."""
     with _lock:
-        if _state["notes"] is None:
-            _state["notes"] = _install_notes()
-        if not _state["notes"]:
+        if _state["values"] is None:
+            _state["values"] = _install_values_wrapper()
+        if not _state["values"]:
             return None
         tenant_steps.current = tenant_steps.Tenants(resolve)
         return tenant_steps.current
 
 
-def _install_notes() -> bool:
+def _install_values_wrapper() -> bool:
     if not _state["installed"]:
         return False
     from vllm.v1.engine.output_processor import OutputProcessor
@@ -477,7 +477,7 @@ def uninstall() -> None:
     with _lock:
         for owner, name, original in reversed(_state["originals"]):
             setattr(owner, name, original)
-        _state.update(installed=False, failed=None, originals=[], notes=None)
+        _state.update(installed=False, failed=None, originals=[], values=None)
         tenant_steps.current = None
         _listeners.clear()
         traces.ended.clear()
