@@ -348,9 +348,11 @@ class InProcessRecorder(_RequestObservations):
         if key not in PER_TENANT:
             return own
         # With a tenant source, a request's counts are its tenant's: the recorder's own series
-        # appear only for what no request carried (an engine's per-step totals).
-        values = [(attrs, n) for attrs, n in own if n]
-        for series in list(self.tenants.values()):
+        # appear only for what no request carried (an engine's per-step totals), and at zero
+        # until a tenant has any (an engine that served none shows vLLM's zeros).
+        tenants = list(self.tenants.values())
+        values = [(attrs, n) for attrs, n in own if n or not tenants]
+        for series in tenants:
             values.extend(series.counter_values(key))
         return values
 

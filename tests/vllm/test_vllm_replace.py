@@ -199,3 +199,77 @@ def test_replace_runs_as_add_where_it_cannot_stand_in(clean, otel, vllm_config, 
     run(manager, _streams())
     if stock_after is not None:  # semconv: no vllm: name of ours in the registry, vLLM's all there
         assert _scrape(TEXT)[1] == stock_after
+
+
+@pytest.mark.parametrize("engines", [1, 2])
+def test_replace_with_tenants_serves_vllms_values_by_tenant(clean, vllm_config, monkeypatch, engines):
+    """Replace mode with a tenant source (``priority``, three classes), one engine (the values
+    taken every few steps) or two (taken at each step): time to first token, inter-token
+    latency and the prompt and generation token counters are served by tenant, each engine's
+    count and tokens per tenant those of its requests, and summed over tenant, each engine's
+    series (buckets, counts, sums) what stock vLLM serves."""
+    from prometheus_client.parser import text_string_to_metric_families
+    from vllm.v1.metrics.prometheus import unregister_vllm_metrics
+
+    from otel_llm.integrations.vllm.frontend import deep_hook
+
+    families = (
+        "vllm:time_to_first_token_seconds",
+        "vllm:inter_token_latency_seconds",
+        "vllm:prompt_tokens",
+        "vllm:generation_tokens",
+    )
+
+    def streams():
+        out = {}
+        for engine in range(engines):
+            specs = default_specs(f"e{engine}-")
+            for i, spec in enumerate(specs):
+                spec.priority = (i + engine) % 3
+            out[engine] = build(specs, T0_MONOTONIC, T0_WALL)
+        return out
+
+    def scrape() -> dict[tuple, float]:
+        """{(sample name, engine, le, tenant or None): value} of the four families."""
+        out: dict[tuple, float] = {}
+        for family in text_string_to_metric_families(choose_encoder(TEXT)[0](REGISTRY).decode()):
+            for s in family.samples:
+                if family.name in families and not s.name.endswith("_created"):
+                    key = (s.name, s.labels.get("engine"), s.labels.get("le"), s.labels.get("tenant"))
+                    out[key] = s.value
+        return out
+
+    def summed(samples: dict[tuple, float]) -> dict[tuple, float]:
+        out: dict[tuple, float] = {}
+        for (name, engine, le, _), value in samples.items():
+            out[(name, engine, le)] = out.get((name, engine, le), 0.0) + value
+        return out
+
+    unregister_vllm_metrics()
+    manager = _manager(vllm_config, [])
+    run(manager, streams())
+    stock = scrape()
+    unregister_vllm_metrics()
+    assert stock and all(key[3] is None for key in stock)
+
+    monkeypatch.setenv("OTEL_LLM_TENANT", "priority")
+    monkeypatch.setenv("OTEL_LLM_VLLM_DEEP_HOOK", "1")
+    manager = _manager(vllm_config, [_replace_class(monkeypatch)])
+    scripts = streams()
+    run(manager, scripts)
+    assert deep_hook.is_installed()
+    ours = scrape()
+    by_tenant = {k: v for k, v in ours.items() if k[3] is not None}
+    assert {k: v for k, v in ours.items() if k[3] is None and v} == {}
+    for engine, script in scripts.items():
+        for p in range(3):
+            requests = [s for s in script.specs if s.priority == p]
+            tokens = by_tenant[("vllm:generation_tokens_total", str(engine), None, str(p))]
+            assert tokens == sum(s.tokens for s in requests)
+            assert by_tenant[("vllm:prompt_tokens_total", str(engine), None, str(p))] == sum(s.prompt for s in requests)
+            ttfts = by_tenant[("vllm:time_to_first_token_seconds_count", str(engine), None, str(p))]
+            assert ttfts == len(requests)
+    got, expected = summed(by_tenant), summed(stock)
+    assert got.keys() == expected.keys()
+    for key, value in expected.items():
+        assert got[key] == (pytest.approx(value, abs=1e-9) if key[0].endswith("_sum") else value), key

@@ -162,7 +162,10 @@ class Frontend:
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
+        # Connections kept open between loads: under callgrind a load's last response and the next
+        # load's requests lie further apart than uvicorn's default 5 s, which would close them.
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=600)
+        server = uvicorn.Server(config)
         serving = asyncio.create_task(server.serve(sockets=[sock]))
         for _ in range(1000):
             if server.started:
