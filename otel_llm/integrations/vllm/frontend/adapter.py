@@ -112,6 +112,7 @@ class VllmAdapter:
         # Only a source that differs by request needs each value taken by request (the model is
         # every request's under this frontend); without, a step's values are one tenant's.
         self.tenant_values: Optional[tenant_steps.Tenants] = None
+        self._take_every = max(1, min(t.config.defer_steps or 1 for t in self.telemetry.values()))
         if source is not None and source.kind != "model" and self.deep_hook:
             first = self.telemetry[min(self.telemetry)]  # its resolver names every engine's tenants
             self.tenant_values = vllm_deep_hook.take_tenant_values(
@@ -188,7 +189,6 @@ class VllmAdapter:
             gauges=self.gauges,
             deep_hook=self.deep_hook,
             tenants=self.telemetry[idx].config.tenant is not None,
-            values=self.tenant_values,
         )
         self._translators[idx] = translator
         self.telemetry[idx].translate_steps_with(translator)
@@ -216,25 +216,7 @@ class VllmAdapter:
         keeping = self.keeping
         if keeping is Keeping.FINISHED_ONLY and not getattr(iteration_stats, "finished_requests", None):
             return
-        values = None  # the step's values by tenant (tenant_steps.Taken); None: its IterationStats'
-        tenant_values = self.tenant_values
-        if tenant_values is not None and iteration_stats is not None:
-            try:
-                tenant_values.expected_ttfts += len(iteration_stats.time_to_first_tokens_iter)
-                tenant_values.expected_itls += len(iteration_stats.inter_token_latencies_iter)
-            except (AttributeError, TypeError):  # not vLLM's lists: the wrapper took nothing either
-                tenant_values = None
-        if tenant_values is not None:
-            if len(self.telemetry) == 1:  # taken with the other steps' when the engine's are translated
-                values = tenant_steps.TAKEN_LATER
-                if tenant_values.touched and not tenant_values.kept:
-                    tenant_values.kept = True
-                    tel.keep_step(tenant_values)
-            else:  # each step's to its own engine
-                values, accounted = tenant_values.take()
-                if not accounted:
-                    self.reader.warn_once("IterationStats", "update_from_output", tenant_steps.UNATTRIBUTED)
-                    values = None
+        values = self._take_tenant_values(iteration_stats)
         if keeping is Keeping.ITERATIONS:
             if iteration_stats is None:
                 return
@@ -251,6 +233,49 @@ class VllmAdapter:
             and getattr(scheduler_stats, "num_waiting_reqs", None) == 0
         )
         tel.keep_step(step, idle)
+
+    def _take_tenant_values(self, iteration_stats: Any) -> Optional[list]:
+        """With tenant values (:mod:`.tenant_steps`), on vLLM's event loop, which adds to them:
+        what is taken at this step (an empty list: nothing, yet), or None where this step's
+        values are its IterationStats' (no tenant values, or they do not account for the step).
+        One engine: taken every ``defer_steps`` steps and at each step with finished requests,
+        several steps at once; several: at each step, to go to its own engine. Never from
+        another thread: a collection there applies what was taken."""
+        tenant_values = self.tenant_values
+        if tenant_values is None or iteration_stats is None:
+            return None
+        try:
+            tenant_values.expected_ttfts += len(iteration_stats.time_to_first_tokens_iter)
+            tenant_values.expected_itls += len(iteration_stats.inter_token_latencies_iter)
+        except (AttributeError, TypeError):  # not vLLM's lists: the wrapper took nothing either
+            return None
+        several = len(self.telemetry) > 1
+        tenant_values.steps += 1
+        if (
+            not several
+            and tenant_values.steps < self._take_every
+            and not getattr(iteration_stats, "finished_requests", None)
+        ):
+            return tenant_steps.NOTHING
+        taken, accounted = tenant_values.take()
+        if not accounted:
+            if several:
+                self.reader.warn_once("IterationStats", "update_from_output", tenant_steps.UNATTRIBUTED)
+                return None
+            self.reader.warn_once("IterationStats", "update_from_output", tenant_steps.UNACCOUNTED)
+        return taken
+
+    def _keep_tenant_values(self) -> None:
+        """The tenant values not taken yet, kept by the first engine's telemetry (vLLM's periodic
+        ``log()``, its stop: no step comes to take them)."""
+        if self.tenant_values is None or not self.tenant_values.touched:
+            return
+        taken, accounted = self.tenant_values.take()
+        if not accounted:
+            self.reader.warn_once("IterationStats", "update_from_output", tenant_steps.UNACCOUNTED)
+        tel = self.telemetry.get(min(self.telemetry, default=0))
+        if tel is not None:
+            tel.keep_step(taken)
 
     def record_ended(self) -> None:
         """A span for each request the deep hook saw end without vLLM's FinishedRequestStats
@@ -291,6 +316,7 @@ class VllmAdapter:
             threading.Thread(target=self._flush, daemon=True, name="otel-llm-flush").start()
 
     def _apply_kept_steps(self) -> None:
+        self._keep_tenant_values()
         for tel in list(self.telemetry.values()):
             tel.flush()
 

@@ -77,9 +77,7 @@ class StepTranslator:
     scheduler gauges shared with other API servers, published per step; ``deep_hook``: the deep
     hook is attached (what it saw of each request, its preemptions' causes included);
     ``tenants``: the telemetry has a tenant source (each step's latencies and tokens are recorded
-    by tenant, also when the other per-step series are read); ``values``: where those are taken
-    by tenant (:mod:`.tenant_steps`; None: each step's are its IterationStats', all under the
-    tenant of a request with no facts).
+    by tenant, :mod:`.tenant_steps`, also when the other per-step series are read).
     """
 
     def __init__(
@@ -92,7 +90,6 @@ class StepTranslator:
         gauges: Any = None,
         deep_hook: bool = False,
         tenants: bool = False,
-        values: Optional[tenant_steps.Tenants] = None,
     ) -> None:
         self.engine_idx = engine_idx
         self.tenants = tenants
@@ -101,12 +98,11 @@ class StepTranslator:
         self.steps_read = steps_read
         self.gauges = gauges
         self.deep_hook = deep_hook
-        self.values = values
         self._last_sched: Optional[tuple[int, int, float]] = None  # (running, waiting, usage)
 
     def __call__(self, telemetry: EngineTelemetry, steps: Sequence[Any]) -> None:
         """``steps``: those kept in a row, and with a tenant source (beside vLLM's logger) the
-        values of the steps in between by tenant, or those steps' ``IterationStats``."""
+        values taken by tenant at the steps in between, or those steps' ``IterationStats``."""
         kept = steps
         if self.tenants:
             steps = [s for s in kept if type(s) is VllmStep]
@@ -149,15 +145,14 @@ class StepTranslator:
         telemetry.record_iteration(**values, preemption_reason=DEFAULT_PREEMPTION_REASON)
 
     def _record_by_tenant(self, telemetry: EngineTelemetry, kept: Sequence[Any]) -> None:
-        """Several steps' latencies and token counts, each tenant's in one call: taken by tenant
-        (:mod:`.tenant_steps`) with each step or, for the steps whose values are taken later,
-        from ``values`` now; all of a step's under the tenant of a request with no facts where
-        they could not be."""
+        """Several steps' latencies and token counts, each tenant's in one call: as taken by
+        tenant (:mod:`.tenant_steps`) with the steps, or all of a step's under the tenant of a
+        request with no facts where they could not be."""
         takes: list[tenant_steps.Taken] = []
         for s in kept:
             if type(s) is list:
                 takes.append(s)
-            elif type(s) is not tenant_steps.Tenants:  # the values, kept to be taken: below
+            else:
                 it = s.iteration_stats if type(s) is VllmStep else s
                 taken = s.tenant_values if type(s) is VllmStep else None
                 if taken is not None:
@@ -165,12 +160,6 @@ class StepTranslator:
                         takes.append(taken)
                 elif it is not None:
                     takes.append([self._unattributed(it)])
-        values = self.values
-        if values is not None and (values.touched or values.kept):
-            taken, accounted = values.take()
-            if not accounted:
-                self.reader.warn_once("IterationStats", "update_from_output", tenant_steps.UNACCOUNTED)
-            takes.append(taken)
         no_facts: Optional[str] = None  # the tenant of values no request's tenant took
         for taken in takes:
             if no_facts is None and any(part[0] is None for part in taken):

@@ -13,12 +13,13 @@ needs it) adds what each call added to them as it goes, so that nothing per outp
 pair or sort later: on vLLM's event loop, every Python operation per output token counts.
 
 The stat logger counts each step's times to first token and inter-token latencies as vLLM's
-lists have them, and the values are taken (:meth:`Tenants.take`) when the engine's kept steps
-are translated, several steps at once, and checked against those counts (a vLLM that computes
-them otherwise is said once). Where one stat logger records several engines, the values are
-taken at each step instead, to go to the engine the step came from, and a step they do not
-account for has all of its values recorded under the tenant of a request with no facts.
-Requests that carry no values (arrived before they were taken) count under that tenant too.
+lists have them, and takes the values (:meth:`Tenants.take`) on vLLM's event loop, where the
+wrapper adds to them (never from another thread: the wrapper takes no lock), every few steps and
+at each step with finished requests, checked against those counts (a vLLM that computes them
+otherwise is said once). Where one stat logger records several engines, the values are taken at
+each step instead, to go to the engine the step came from, and a step they do not account for
+has all of its values recorded under the tenant of a request with no facts. Requests that carry
+no values (arrived before they were taken) count under that tenant too.
 """
 
 from __future__ import annotations
@@ -79,8 +80,8 @@ class TenantValues:
 # One step's values by tenant: (tenant, ttfts, itls, prompt tokens, generation tokens); tenant
 # None: those of requests that carry no values.
 Taken = list[tuple[Optional[str], Sequence[float], Sequence[float], int, int]]
-# A step's values as kept with it when they are taken with the other steps' at translation.
-TAKEN_LATER: Taken = []
+# What a step carries when nothing is taken at it (its values are taken with a later step's).
+NOTHING: Taken = []
 
 
 class Tenants:
@@ -96,7 +97,7 @@ class Tenants:
         self.no_values = TenantValues(None, self.touched)
         self.expected_ttfts = 0
         self.expected_itls = 0
-        self.kept = False  # kept by the engine's telemetry, to be taken at its next translation
+        self.steps = 0  # steps since the last take
 
     def values_for(self, facts: Optional[dict]) -> TenantValues:
         """The values a request with these facts adds to (at its arrival)."""
@@ -121,8 +122,7 @@ class Tenants:
             values.pending = False
         self.touched.clear()
         accounted = (ttfts, itls) == (self.expected_ttfts, self.expected_itls)
-        self.expected_ttfts = self.expected_itls = 0
-        self.kept = False
+        self.expected_ttfts = self.expected_itls = self.steps = 0
         return taken, accounted
 
 
