@@ -160,13 +160,24 @@ class StepTranslator:
                         takes.append(taken)
                 elif it is not None:
                     takes.append([self._unattributed(it)])
-        no_facts: Optional[str] = None  # the tenant of values no request's tenant took
+        if not takes:
+            return
+        # Each tenant's values of every take in one record: its fixed cost once.
+        merged: dict[Optional[str], list] = {}
         for taken in takes:
-            if no_facts is None and any(part[0] is None for part in taken):
-                no_facts = telemetry.tenant_of(None) or tenants.UNSET
-            telemetry.record_iteration_by_tenant(
-                [(t if t is not None else no_facts or tenants.UNSET, a, b, c, d) for t, a, b, c, d in taken]
-            )
+            for tenant, ttfts, itls, prompt, generation in taken:
+                part = merged.get(tenant)
+                if part is None:
+                    merged[tenant] = [list(ttfts), list(itls), prompt, generation]
+                else:
+                    part[0] += ttfts
+                    part[1] += itls
+                    part[2] += prompt
+                    part[3] += generation
+        no_facts = (telemetry.tenant_of(None) or tenants.UNSET) if None in merged else tenants.UNSET
+        telemetry.record_iteration_by_tenant(
+            [(t if t is not None else no_facts, a, b, c, d) for t, (a, b, c, d) in merged.items()]
+        )
 
     def _unattributed(self, it: Any) -> tuple[None, Sequence[float], Sequence[float], int, int]:
         """A step's values, taken by no tenant."""
