@@ -257,22 +257,24 @@ class VllmAdapter:
             and not getattr(iteration_stats, "finished_requests", None)
         ):
             return tenant_steps.NOTHING
+        return self._take(tenant_values, one_step=several)
+
+    def _take(self, tenant_values: tenant_steps.Tenants, one_step: bool) -> Optional[list]:
+        """The values taken; where they do not account for vLLM's counts, said once, and None
+        if they are ``one_step``'s (that step's are then its IterationStats', unattributed)."""
         taken, accounted = tenant_values.take()
-        if not accounted:
-            if several:
-                self.reader.warn_once("IterationStats", "update_from_output", tenant_steps.UNATTRIBUTED)
-                return None
-            self.reader.warn_once("IterationStats", "update_from_output", tenant_steps.UNACCOUNTED)
-        return taken
+        if accounted:
+            return taken
+        message = tenant_steps.UNATTRIBUTED if one_step else tenant_steps.UNACCOUNTED
+        self.reader.warn_once("IterationStats", "update_from_output", message)
+        return None if one_step else taken
 
     def _keep_tenant_values(self) -> None:
         """The tenant values not taken yet, kept by the first engine's telemetry (vLLM's periodic
         ``log()``, its stop: no step comes to take them)."""
         if self.tenant_values is None or not self.tenant_values.touched:
             return
-        taken, accounted = self.tenant_values.take()
-        if not accounted:
-            self.reader.warn_once("IterationStats", "update_from_output", tenant_steps.UNACCOUNTED)
+        taken = self._take(self.tenant_values, one_step=False)
         tel = self.telemetry.get(min(self.telemetry, default=0))
         if tel is not None:
             tel.keep_step(taken)
