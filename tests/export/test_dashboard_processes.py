@@ -15,7 +15,7 @@ import otel_llm
 from collector.generate.profiles import PROFILES, Profile
 from engine_stub import Engine
 from otel_llm.events import EventType, RequestEvent
-from tests.support.backends import backend, free_port, start_prometheus
+from tests.support.backends import backend, free_port_block, start_prometheus
 from tests.support.promql import RULES, all_expressions, needs_a_noisy_neighbour, needs_history, query
 from tests.support.workloads import NUM_REQUESTS, add_requests, preempting_engine_config
 
@@ -34,10 +34,8 @@ def test_every_percentile_comes_from_summed_buckets(profile) -> None:
 def bases() -> dict[str, int]:
     """Per profile the first of PROCESSES consecutive ports (free when picked)."""
     out: dict[str, int] = {}
-    while len(out) < len(PROFILES):
-        base = free_port()
-        if all(abs(base - b) >= PROCESSES for b in out.values()):
-            out[PROFILES[len(out)]] = base
+    for profile in PROFILES:
+        out[profile] = free_port_block(PROCESSES, avoid=tuple(out.values()))
     return out
 
 

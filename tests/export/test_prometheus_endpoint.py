@@ -392,9 +392,9 @@ def test_ipv6_loopback():
 
 def test_processes_on_one_host_take_consecutive_ports_from_the_base(clean_env):
     """OTEL_LLM_PROMETHEUS_PORTS=N: each process binds the first free port of base..base+N-1."""
-    from tests.support.backends import free_port
+    from tests.support.backends import free_port_block
 
-    base = free_port()
+    base = free_port_block(2)
     config = TelemetryConfig.from_env(
         {
             "OTEL_METRICS_EXPORTER": "prometheus",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import gzip
 import os
+import random
 import re
 import shutil
 import socket
@@ -52,6 +53,32 @@ def backend(name: str) -> Iterator[None]:
         yield
     except BackendUnavailable as exc:
         require_backend(name, str(exc))
+
+
+def free_port_block(count: int, avoid: tuple[int, ...] = ()) -> int:
+    """The first of ``count`` consecutive ports, all free on 127.0.0.1 now.
+
+    Picked below the kernel's ephemeral range: a port from ``free_port()`` lies inside it, so
+    the port after it (or the port itself, once released) can go to any outgoing connection
+    meanwhile, such as Prometheus's own scrapes.
+    """
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(200):
+        base = random.randrange(max(1024, low // 2), low - count)
+        if any(abs(base - other) < count for other in avoid):
+            continue
+        with contextlib.ExitStack() as held:
+            try:
+                for port in range(base, base + count):
+                    s = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+                    s.bind((LOOPBACK, port))
+            except OSError:
+                continue
+        return base
+    raise BackendUnavailable(f"no {count} consecutive free ports below {low}")
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float, interval: float = 0.05, what: str = "condition") -> Any:
