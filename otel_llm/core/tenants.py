@@ -13,7 +13,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import urllib.parse
-from typing import Any, Mapping, Optional, Sequence
+from collections.abc import Mapping
+from typing import Any, Optional, Sequence
 
 from otel_llm.config import tenants
 from otel_llm.config.settings import TelemetryConfig
@@ -35,6 +36,7 @@ class TenantResolver:
         self._overflowed = False
 
     def resolve(self, facts: Optional[Mapping[str, Any]], carrier: Optional[Mapping[str, str]]) -> str:
+        # collections.abc.Mapping: isinstance against typing's alias runs Python code per request.
         try:  # whatever an engine hands over, the request gets a tenant (never an exception)
             facts = facts if isinstance(facts, Mapping) else {}
             value = tenants.clean(self._raw(facts, carrier if isinstance(carrier, Mapping) else None))
