@@ -18,7 +18,9 @@ bench/results.json under ``vllm_engine``; other keys are kept.
 
 ``--tenants N``: both servers schedule by priority (``--scheduling-policy priority``), every load
 has N priority classes, and "on" has ``OTEL_LLM_TENANT=priority``; the result goes under
-``vllm_engine_tenants`` (``vllm_engine_replace_tenants`` with ``--metrics-mode replace``).
+``vllm_engine_tenants`` (``vllm_engine_replace_tenants`` with ``--metrics-mode replace``). With
+``--against plugin`` as well, "off" is the same plugin without a tenant source: what tenants
+alone add (key suffix ``_vs_plugin``).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ RESULTS = Path(__file__).resolve().parents[1] / "results.json"
 KEY = "vllm_engine"
 REPLACE_KEY = "vllm_engine_replace"  # the same with OTEL_LLM_VLLM_METRICS=replace on the "on" server
 TENANTS_SUFFIX = "_tenants"  # --tenants N: priority classes, the "on" server with OTEL_LLM_TENANT=priority
+AGAINST_PLUGIN_SUFFIX = "_vs_plugin"  # --against plugin: "off" is the plugin without a tenant source
 PLUGIN_GROUPS = (
     "vllm.general_plugins",
     "vllm.stat_logger_plugins",
@@ -146,6 +149,7 @@ def run(
     metrics_mode: str = "add",
     blocks: int = 3,
     tenants: int = 0,
+    against_plugin: bool = False,
     log: Any = sys.stderr,
 ) -> dict[str, Any]:
     from otel_llm.testing.models import make_tiny_llama
@@ -157,19 +161,19 @@ def run(
     block_of_pair: list[int] = []
     with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp, SpanReceiver() as receiver:
         model = make_tiny_llama(Path(tmp) / "tiny-llama")
+        plugin = {
+            "OTEL_LLM_VLLM_DEEP_HOOK": "1",
+            "OTEL_METRICS_EXPORTER": "otlp,prometheus",
+            "OTEL_TRACES_EXPORTER": "otlp",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.http_endpoint,
+            "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+            "OTEL_METRIC_EXPORT_INTERVAL": str(EXPORT_INTERVAL_MS),
+            "OTEL_BSP_SCHEDULE_DELAY": str(EXPORT_INTERVAL_MS),
+            "OTEL_LLM_VLLM_METRICS": metrics_mode,
+        }
         env = {
-            "off": {"VLLM_PLUGINS": without},
-            "on": {
-                "OTEL_LLM_VLLM_DEEP_HOOK": "1",
-                "OTEL_METRICS_EXPORTER": "otlp,prometheus",
-                "OTEL_TRACES_EXPORTER": "otlp",
-                "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.http_endpoint,
-                "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
-                "OTEL_METRIC_EXPORT_INTERVAL": str(EXPORT_INTERVAL_MS),
-                "OTEL_BSP_SCHEDULE_DELAY": str(EXPORT_INTERVAL_MS),
-                "OTEL_LLM_VLLM_METRICS": metrics_mode,
-                **({"OTEL_LLM_TENANT": "priority"} if tenants else {}),
-            },
+            "off": plugin if against_plugin else {"VLLM_PLUGINS": without},
+            "on": {**plugin, "OTEL_LLM_TENANT": "priority"} if tenants else plugin,
         }
         server_args = ("--scheduling-policy", "priority") if tenants else ()
         pair = 0
@@ -185,8 +189,9 @@ def run(
                     server.start()
                     print(f"[vllm_engine] vLLM {name} ready in {time.monotonic() - t0:.0f} s", file=log, flush=True)
                 plugin_answers = {name: answers(s.metrics_url) for name, s in servers.items()}
-                if plugin_answers != {"off": False, "on": True}:
-                    raise RuntimeError(f"the plugin's endpoint answers {plugin_answers}: expected on only")
+                if plugin_answers != {"off": against_plugin, "on": True}:
+                    expected = "on and off" if against_plugin else "on only"
+                    raise RuntimeError(f"the plugin's endpoint answers {plugin_answers}: expected {expected}")
                 for server in servers.values():  # warm-up, not counted
                     warm_up = Load(
                         requests=requests, concurrency=requests, max_tokens=max_tokens, seed=1000, priorities=tenants
@@ -211,7 +216,7 @@ def run(
             finally:
                 for server in servers.values():
                     server.stop()
-        spans_expected = (pairs + blocks) * requests
+        spans_expected = (pairs + blocks) * requests * (2 if against_plugin else 1)
         spans_received = receiver.wait_for(lambda r: len(r.named("llm_request")) >= spans_expected, 60.0)
 
     def med(name: str, key: str) -> float:
@@ -246,7 +251,10 @@ def run(
             "blocks": blocks,
             "priority_classes": tenants,  # request i asks for priority i % tenants; 0: none
         },
-        "off": {"VLLM_PLUGINS": without, "plugin_endpoint_answers": plugin_answers["off"]},
+        "off": {
+            **({"plugin": "the same as on, without OTEL_LLM_TENANT"} if against_plugin else {"VLLM_PLUGINS": without}),
+            "plugin_endpoint_answers": plugin_answers["off"],
+        },
         "on": {
             "plugin": "entry points otel_llm + otel_llm_deep_hook; OTEL_LLM_VLLM_DEEP_HOOK=1; our /metrics; "
             f"metrics and one span per request over OTLP/HTTP every {EXPORT_INTERVAL_MS / 1000:g} s to a "
@@ -304,8 +312,9 @@ def table_lines(r: dict[str, Any]) -> list[str]:
         else []  # results from before the split
     )
     classes = f", {r['load']['priority_classes']} priority classes" if r["load"].get("priority_classes") else ""
+    compared = "tenants on / off (the plugin in both)" if "plugin" in r["off"] else "plugin on / off"
     return [
-        f"5. vLLM's real CPU engine, plugin on / off ({r['load']['pairs']} pairs of {r['load']['requests']} "
+        f"5. vLLM's real CPU engine, {compared} ({r['load']['pairs']} pairs of {r['load']['requests']} "
         f"requests{classes})",
         f"   tokens/s        off {tps['off']:.0f}  on {tps['on']:.0f}  ratio of medians "
         f"{r['tokens_per_s_ratio_of_medians']:.3f}  paired median {r['tokens_per_s_ratio_paired_median']:.3f}",
@@ -339,6 +348,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         default=0,
         help=f"N priority classes on both servers, the plugin's with OTEL_LLM_TENANT=priority (key + {TENANTS_SUFFIX})",
     )
+    p.add_argument(
+        "--against",
+        choices=("stock", "plugin"),
+        default="stock",
+        help=f"with --tenants, plugin: off is the plugin without a tenant source (key + {AGAINST_PLUGIN_SUFFIX})",
+    )
     p.add_argument("--out", type=Path, default=RESULTS, help=f"JSON to update (key {KEY})")
     args = p.parse_args(argv)
     if args.pairs < 3:
@@ -347,11 +362,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.error("--blocks: from 1 to --pairs")
     if args.tenants < 0:
         p.error("--tenants: 0 or more")
-    key = (KEY if args.metrics_mode == "add" else REPLACE_KEY) + (TENANTS_SUFFIX if args.tenants else "")
+    against_plugin = args.against == "plugin"
+    if against_plugin and not args.tenants:
+        p.error("--against plugin: with --tenants N")
+    key = (
+        (KEY if args.metrics_mode == "add" else REPLACE_KEY)
+        + (TENANTS_SUFFIX if args.tenants else "")
+        + (AGAINST_PLUGIN_SUFFIX if against_plugin else "")
+    )
     return write_section(
         key,
         args.out,
-        lambda: run(args.pairs, args.requests, args.max_tokens, args.metrics_mode, args.blocks, args.tenants),
+        lambda: run(
+            args.pairs, args.requests, args.max_tokens, args.metrics_mode, args.blocks, args.tenants, against_plugin
+        ),
         table_lines,
     )
 
