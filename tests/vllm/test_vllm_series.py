@@ -37,9 +37,11 @@ def plugin_endpoint(monkeypatch: pytest.MonkeyPatch):
 
 
 def _config(model_dir: str, **kwargs):
-    from vllm.config import ModelConfig, VllmConfig
+    from vllm.config import ModelConfig
 
-    return VllmConfig(model_config=ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="float32"), **kwargs)
+    from otel_llm.testing.vllm.config import class_level_config
+
+    return class_level_config(ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="float32"), **kwargs)
 
 
 def _samples(text: str) -> dict[tuple[str, frozenset], float]:
