@@ -49,6 +49,7 @@ PLUGIN_GROUPS = (
 )
 TARGET_TOKENS_PER_S = 0.99  # on / off
 TARGET_CPU = 1.05  # on / off, API-server CPU per output token
+TARGET_CPU_REPLACE = 1.00  # the same in replace mode, where vLLM's own logger is not built
 EXPORT_INTERVAL_MS = 5000  # metrics and spans pushed every 5 s
 
 
@@ -229,6 +230,11 @@ def run(
     ]
     tokens_ratio = ratio(med("on", "tokens_per_s"), med("off", "tokens_per_s"))
     cpu_ratio = ratio(med("on", "api_server_cpu_ms_per_token"), med("off", "api_server_cpu_ms_per_token"))
+    # Tenants against the same plugin have no target of their own: within a server start's spread.
+    target_cpu = None if against_plugin else TARGET_CPU_REPLACE if metrics_mode == "replace" else TARGET_CPU
+    targets = {f"tokens/s on/off >= {TARGET_TOKENS_PER_S}": tokens_ratio >= TARGET_TOKENS_PER_S}
+    if target_cpu is not None:
+        targets[f"API-server CPU on/off <= {target_cpu:.2f}"] = cpu_ratio <= target_cpu
     cpu_by_block = [
         ratio(
             median([r["api_server_cpu_ms_per_token"] for r, b in zip(rounds["on"], block_of_pair) if b == block]),
@@ -290,10 +296,7 @@ def run(
         },
         "engine_cpu_s": {"off": med("off", "engine_cpu_s"), "on": med("on", "engine_cpu_s")},
         "rounds": rounds,
-        "targets": {
-            f"tokens/s on/off >= {TARGET_TOKENS_PER_S}": tokens_ratio >= TARGET_TOKENS_PER_S,
-            f"API-server CPU on/off <= {TARGET_CPU}": cpu_ratio <= TARGET_CPU,
-        },
+        "targets": targets,
     }
 
 
