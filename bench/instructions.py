@@ -20,7 +20,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 _SOURCE = r"""
 #include <valgrind/callgrind.h>
@@ -82,11 +82,13 @@ class Window:
         self._lib.cg_stop()
 
 
-def totals_by_thread(out_dir: Path) -> dict[int, int]:
+def totals_by_thread(out_dir: Path, dump: Optional[int] = None) -> dict[int, int]:
     """Instructions counted by thread (valgrind's thread numbers: 1 is the main thread; a number
-    is reused once its thread has ended, and then holds the counts of each thread that had it)."""
+    is reused once its thread has ended, and then holds the counts of each thread that had it):
+    those written at the program's end, or with ``dump`` those of the dump of that number
+    (``callgrind_control -d``, which writes every thread's)."""
     counts: dict[int, int] = {}
-    for path in out_dir.glob(f"{OUT_NAME}-*"):
+    for path in out_dir.glob(f"{OUT_NAME}-*" if dump is None else f"{OUT_NAME}.{dump}-*"):
         thread = totals = None
         with path.open() as f:
             for line in f:
