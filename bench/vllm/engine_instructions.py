@@ -126,7 +126,10 @@ def count_start(
                 preempted.append(int(preemptions(server.url) - before))
             callgrind_control("-d", pid)
         finally:
-            os.killpg(server.proc.pid, signal.SIGKILL)
+            try:
+                os.killpg(server.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:  # the server (and its group) already gone
+                pass
             server.proc.wait(60)
         by_thread = instructions.totals_by_thread(out, dump=1)
     total, loop = sum(by_thread.values()), by_thread.get(1, 0)
