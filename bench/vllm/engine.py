@@ -105,15 +105,34 @@ def answers(url: str) -> bool:
     return True
 
 
+def preemptions(url: str) -> float:
+    """vLLM's ``num_preemptions_total`` on the server at ``url``, summed over its labels."""
+    from otel_llm.testing.vllm.server import scrape
+
+    return sum(v for (name, _), v in scrape(url + "/metrics").items() if name == "vllm:num_preemptions_total")
+
+
+def plugin_env(endpoint: str, metrics_mode: str, export_interval_ms: int = EXPORT_INTERVAL_MS) -> dict[str, str]:
+    """The plugin as deployed: deep hook, our /metrics, metrics and spans over OTLP/HTTP to ``endpoint``."""
+    return {
+        "OTEL_LLM_VLLM_DEEP_HOOK": "1",
+        "OTEL_METRICS_EXPORTER": "otlp,prometheus",
+        "OTEL_TRACES_EXPORTER": "otlp",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+        "OTEL_METRIC_EXPORT_INTERVAL": str(export_interval_ms),
+        "OTEL_BSP_SCHEDULE_DELAY": str(export_interval_ms),
+        "OTEL_LLM_VLLM_METRICS": metrics_mode,
+    }
+
+
 def run_round(server: Any, load: Any) -> dict[str, Any]:
     """One load on one server: tokens/s, the API server's and the engine's CPU seconds, preemptions."""
-    from otel_llm.testing.vllm.server import run_load, scrape
+    from otel_llm.testing.vllm.server import run_load
 
     pid = server.proc.pid
     load_average = os.getloadavg()[0]  # the machine is shared: how busy it was when the round began
-    preempted = sum(
-        v for (name, _), v in scrape(server.url + "/metrics").items() if name == "vllm:num_preemptions_total"
-    )
+    preempted = preemptions(server.url)
     api0, loop0, engine0 = cpu_seconds(pid), main_thread_cpu_seconds(pid), engine_cpu_seconds(pid)
     start = time.monotonic()
     completions = run_load(server.url, load)
@@ -124,10 +143,7 @@ def run_round(server: Any, load: Any) -> dict[str, Any]:
     if failed:
         raise RuntimeError(f"{len(failed)} requests failed, e.g. {failed[0].error}")
     tokens = sum(c.completion_tokens for c in completions)
-    preemptions = (
-        sum(v for (name, _), v in scrape(server.url + "/metrics").items() if name == "vllm:num_preemptions_total")
-        - preempted
-    )
+    preempted = preemptions(server.url) - preempted
     return {
         "seed": load.seed,
         "output_tokens": tokens,
@@ -138,7 +154,7 @@ def run_round(server: Any, load: Any) -> dict[str, Any]:
         "api_server_cpu_ms_per_token": 1000 * api_cpu / tokens,
         "event_loop_cpu_ms_per_token": 1000 * loop_cpu / tokens,
         "other_threads_cpu_ms_per_token": 1000 * (api_cpu - loop_cpu) / tokens,
-        "preemptions": int(preemptions),
+        "preemptions": int(preempted),
         "load_average_1m": load_average,
     }
 
@@ -162,16 +178,7 @@ def run(
     block_of_pair: list[int] = []
     with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp, SpanReceiver() as receiver:
         model = make_tiny_llama(Path(tmp) / "tiny-llama")
-        plugin = {
-            "OTEL_LLM_VLLM_DEEP_HOOK": "1",
-            "OTEL_METRICS_EXPORTER": "otlp,prometheus",
-            "OTEL_TRACES_EXPORTER": "otlp",
-            "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.http_endpoint,
-            "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
-            "OTEL_METRIC_EXPORT_INTERVAL": str(EXPORT_INTERVAL_MS),
-            "OTEL_BSP_SCHEDULE_DELAY": str(EXPORT_INTERVAL_MS),
-            "OTEL_LLM_VLLM_METRICS": metrics_mode,
-        }
+        plugin = plugin_env(receiver.http_endpoint, metrics_mode)
         env = {
             "off": plugin if against_plugin else {"VLLM_PLUGINS": without},
             "on": {**plugin, "OTEL_LLM_TENANT": "priority"} if tenants else plugin,

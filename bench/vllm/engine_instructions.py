@@ -38,27 +38,19 @@ from typing import Any, Optional, Sequence
 
 from .. import instructions
 from ..common import median, ratio, write_section
-from .engine import RESULTS, plugins_without_ours
+from .engine import RESULTS, plugin_env, plugins_without_ours, preemptions
 
 KEY = "vllm_engine_instructions"
 VARIANTS = ("stock", "add", "add_tenants", "replace", "replace_tenants")
-HELD_OFF_MS = "600000"  # export intervals: no export inside a counted load
+HELD_OFF_MS = 600_000  # export intervals: no export inside a counted load
 CONTROL_TIMEOUT_S = 300
 
 
-def variant_env(variant: str) -> dict[str, str]:
+def variant_env(variant: str, endpoint: str) -> dict[str, str]:
     if variant == "stock":
         return {"VLLM_PLUGINS": plugins_without_ours()}
     mode, _, tenants = variant.partition("_")
-    env = {
-        "OTEL_LLM_VLLM_DEEP_HOOK": "1",
-        "OTEL_METRICS_EXPORTER": "otlp,prometheus",
-        "OTEL_TRACES_EXPORTER": "otlp",
-        "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
-        "OTEL_METRIC_EXPORT_INTERVAL": HELD_OFF_MS,
-        "OTEL_BSP_SCHEDULE_DELAY": HELD_OFF_MS,
-        "OTEL_LLM_VLLM_METRICS": mode,
-    }
+    env = plugin_env(endpoint, mode, HELD_OFF_MS)
     if tenants:
         env["OTEL_LLM_TENANT"] = "priority"
     return env
@@ -66,12 +58,6 @@ def variant_env(variant: str) -> dict[str, str]:
 
 def callgrind_control(*args: str) -> None:
     subprocess.run(["callgrind_control", *args], check=True, capture_output=True, timeout=CONTROL_TIMEOUT_S)
-
-
-def preemptions(url: str) -> float:
-    from otel_llm.testing.vllm.server import scrape
-
-    return sum(v for (name, _), v in scrape(url + "/metrics").items() if name == "vllm:num_preemptions_total")
 
 
 def counted_server(out: Path, model: Path, env: dict[str, str]) -> Any:
@@ -94,8 +80,7 @@ def count_start(
     with tempfile.TemporaryDirectory(prefix=f"bench-engine-callgrind-{variant}-") as tmp:
         out = Path(tmp)
         env = {
-            **variant_env(variant),
-            "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
+            **variant_env(variant, endpoint),
             "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
             "VLLM_LOG_STATS_INTERVAL": "600",  # vLLM's stats log: a timer, as the exports
         }
