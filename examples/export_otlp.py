@@ -30,9 +30,10 @@ handle.shutdown()  # flushes; the exporters' results are counted in handle.accou
 assert handle.accounting is not None  # built with every OTLP exporter
 lost = handle.accounting.dropped_so_far()
 if lost:
-    print(
-        "recorded 3 requests; NOT delivered: " + ", ".join(f"{reason}={n}" for reason, n in sorted(lost.items())),
-        file=sys.stderr,
+    # One write, line and newline together: an exporter thread still retrying logs to stderr too,
+    # and print's separate newline let its warning land on this line.
+    sys.stderr.write(
+        "recorded 3 requests; NOT delivered: " + ", ".join(f"{reason}={n}" for reason, n in sorted(lost.items())) + "\n"
     )
     sys.exit(1)
 delivered = handle.accounting.exported
