@@ -45,6 +45,8 @@ def _vllm_environment() -> None:
         ("VLLM_NO_USAGE_STATS", "1"),
     ):
         os.environ.setdefault(var, value)
+    # Add mode's class: vLLM's own logger is a variant of its own here, never built by ours.
+    os.environ["OTEL_LLM_VLLM_METRICS"] = "add"
 
 
 class _Loggers:

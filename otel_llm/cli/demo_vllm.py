@@ -143,6 +143,7 @@ def demo_vllm(args: argparse.Namespace) -> int:
     from otel_llm.testing.models import make_tiny_llama
     from otel_llm.testing.span_receiver import SpanReceiver
     from otel_llm.testing.vllm.server import (
+        ADD_MODE,
         KV_PRESSURE_ARGS,
         Load,
         RustFrontendMissing,
@@ -171,6 +172,7 @@ def demo_vllm(args: argparse.Namespace) -> int:
                     "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": receiver.endpoint,
                     "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc",
                     "OTEL_BSP_SCHEDULE_DELAY": "200",
+                    **ADD_MODE,  # the summary compares our series with vLLM's own logger's
                 },
                 log_path=Path(tmp) / "vllm.log",
                 rust_frontend=args.rust_frontend,

@@ -65,6 +65,9 @@ def vllm_parts(environ: Mapping[str, str]) -> list[Part]:
 
     deep = deep_hook.enabled(environ)
     mode = replace.mode(environ)
+    replace_problem = _checked(replace.structure_obstacle)
+    # Replace mode is the default, and where it cannot run add mode does: a failure only when named.
+    replace_asked = mode == "replace" and (replace_problem is None or environ.get(replace.ENV, "").strip() != "")
     rust = frontend.rust_frontend(environ)
     return [
         Part(
@@ -93,9 +96,9 @@ def vllm_parts(environ: Mapping[str, str]) -> list[Part]:
         ),
         Part(
             "vLLM replace mode",
-            _checked(replace.structure_obstacle),
-            mode == "replace",
-            f"otel-llm answers vLLM's own /metrics ({replace.ENV}=replace)",
+            replace_problem,
+            replace_asked,
+            f"otel-llm answers vLLM's own /metrics (the default; {replace.ENV}=add keeps vLLM's logger)",
         ),
         Part(
             "vLLM Rust frontend",

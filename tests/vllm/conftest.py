@@ -24,6 +24,9 @@ os.environ["OTEL_TRACES_EXPORTER"] = "none"
 # The deep hook is on by default; these tests start from the stat-logger path, and those of the
 # deep hook turn it on (its default itself: test_vllm_deep_hook.py).
 os.environ["OTEL_LLM_VLLM_DEEP_HOOK"] = "0"
+# Replace mode is the default: these tests run the plugin beside vLLM's own logger, the truth
+# they compare with; those of replace mode ask for it (test_vllm_replace.py).
+os.environ["OTEL_LLM_VLLM_METRICS"] = "add"
 for _var in ("OTEL_LLM_MODEL_NAME", "OTEL_LLM_PREEMPTION_BUCKETS", "VLLM_PLUGINS"):
     os.environ.pop(_var, None)
 

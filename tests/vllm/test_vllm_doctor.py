@@ -31,7 +31,26 @@ def test_every_part_attaches_on_this_release() -> None:
     assert [rows[p] for p in ("vLLM stat logger", "vLLM deep hook", "vLLM frontend part", "vLLM attribution")] == [
         "ok"
     ] * 4
-    assert rows["vLLM replace mode"] == "ready" and rows["vLLM Rust frontend"] == "ready"
+    assert rows["vLLM replace mode"] == "ok" and rows["vLLM Rust frontend"] == "ready"  # replace: the default
+
+
+def test_replace_mode_fails_only_when_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default where it can run; where this vLLM would build its own logger anyway, a note
+    (add mode runs), and a failure only when OTEL_LLM_VLLM_METRICS=replace asks for it."""
+    from vllm.v1.metrics.loggers import StatLoggerManager
+
+    status, rows, text = run({**DEEP, "OTEL_LLM_VLLM_METRICS": "add"})
+    assert status == 0 and rows["vLLM replace mode"] == "ready", text
+
+    def init(self, vllm_config, *args, **kwargs):  # a future vLLM that always builds its own logger
+        pass
+
+    monkeypatch.setattr(StatLoggerManager, "__init__", init)
+    status, rows, text = run(DEEP)
+    assert status == 0 and rows["vLLM replace mode"] == "no", text
+    assert "does not leave its PrometheusStatLogger out for a custom one" in text
+    status, rows, text = run({**DEEP, "OTEL_LLM_VLLM_METRICS": "replace"})
+    assert status == 1 and rows["vLLM replace mode"] == "FAIL", text
 
 
 def test_the_deep_hook_is_asked_for_unless_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:

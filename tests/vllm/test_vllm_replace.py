@@ -201,6 +201,33 @@ def test_replace_runs_as_add_where_it_cannot_stand_in(clean, otel, vllm_config, 
         assert _scrape(TEXT)[1] == stock_after
 
 
+def test_replace_is_the_default_and_falls_back_with_an_info_line(clean, vllm_config, monkeypatch, caplog):
+    """With OTEL_LLM_VLLM_METRICS unset the plugin stands in for vLLM's logger; where it cannot
+    (several API servers), vLLM's own logger runs beside it, said in one info line, no warning."""
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    from otel_llm.integrations.vllm.frontend.stat_logger import stat_logger_class
+
+    cls = stat_logger_class()
+    assert issubclass(cls, PrometheusStatLogger)
+    manager = _manager(vllm_config, [cls])
+    (ours,) = manager.stat_loggers
+    assert ours.vllm_logger is None and ours.telemetry
+
+    from otel_llm.integrations import vllm as plugin
+
+    plugin.reset()  # the next logger starts from nothing
+    monkeypatch.setattr(vllm_config.parallel_config, "_api_process_count", 2)
+    with caplog.at_level(logging.INFO, logger="otel_llm"):
+        manager = _manager(vllm_config, [cls])
+    (ours,) = manager.stat_loggers
+    assert type(ours.vllm_logger) is PrometheusStatLogger
+    said = [r for r in caplog.records if r.name.startswith("otel_llm") and "add mode" in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.INFO], said
+    assert "several API servers" in said[0].getMessage()
+    assert not [r for r in caplog.records if r.name.startswith("otel_llm") and r.levelno >= logging.WARNING]
+
+
 @pytest.mark.parametrize("engines", [1, 2])
 def test_replace_with_tenants_serves_vllms_values_by_tenant(clean, vllm_config, monkeypatch, engines):
     """Replace mode with a tenant source (``priority``, three classes), one engine (the values

@@ -23,7 +23,7 @@ import pytest
 from engine_record import Samples, read_record, recording_env
 
 from otel_llm.testing.span_receiver import span_attributes
-from otel_llm.testing.vllm.server import MODEL_NAME, Load, VllmServer, run_load, scrape
+from otel_llm.testing.vllm.server import ADD_MODE, MODEL_NAME, Load, VllmServer, run_load, scrape
 from tests.support.backends import wait_until
 from tests.vllm_engine.test_faults import _burst, _engine_cores, _signal
 
@@ -103,6 +103,7 @@ def run(tiny_model: Path, otlp_sink: Any, tmp_path_factory: pytest.TempPathFacto
             "VLLM_SERVER_DEV_MODE": "1",
             **recording_env(truth_file),
             "TMPDIR": str(tmp),
+            **ADD_MODE,
         },
     )
     with server:

@@ -22,6 +22,7 @@ import pytest
 
 from otel_llm.testing.span_receiver import span_attributes
 from otel_llm.testing.vllm.server import (
+    ADD_MODE,
     MAX_MODEL_LEN,
     MODEL_NAME,
     Completion,
@@ -95,6 +96,7 @@ def run(tiny_model: Path, otlp_sink: Any) -> Run:
             "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
             "OTEL_BSP_SCHEDULE_DELAY": "200",
             "OTEL_LLM_VLLM_DEEP_HOOK": "1",
+            **ADD_MODE,
         },
     )
     with server:

@@ -1,5 +1,5 @@
-"""Replace mode on vLLM's real engine: ``OTEL_LLM_VLLM_METRICS=replace``, vLLM builds no
-Prometheus logger of its own and its /metrics route is answered by the plugin. One server for
+"""Replace mode on vLLM's real engine, the plugin's default (``OTEL_LLM_VLLM_METRICS`` unset):
+vLLM builds no Prometheus logger of its own and its /metrics route is answered by the plugin. One server for
 the module (deep hook on, spans over OTLP to a loopback sink); vLLM's /metrics scraped while it
 is up (it answers from then on), after 64 concurrent completions with real preemptions."""
 
@@ -47,7 +47,6 @@ def run(tiny_model: Path, otlp_sink: Any) -> Run:
     server = VllmServer(
         tiny_model,
         env={
-            "OTEL_LLM_VLLM_METRICS": "replace",
             "OTEL_METRICS_EXPORTER": "none",
             "OTEL_TRACES_EXPORTER": "otlp",
             "OTEL_EXPORTER_OTLP_ENDPOINT": otlp_sink.endpoint,

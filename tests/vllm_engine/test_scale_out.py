@@ -24,7 +24,7 @@ import pytest
 from engine_record import read_record, recording_env
 
 from otel_llm.testing.span_receiver import span_attributes
-from otel_llm.testing.vllm.server import MODEL_NAME, Load, VllmServer, run_load, scrape, traceparent
+from otel_llm.testing.vllm.server import ADD_MODE, MODEL_NAME, Load, VllmServer, run_load, scrape, traceparent
 from tests.support.backends import start_otlp_sink, wait_until
 
 LOAD = Load(requests=32, concurrency=32, max_tokens=48, seed=3)
@@ -197,6 +197,7 @@ def scaled(request: Any, tiny_model: Path, tmp_path_factory: pytest.TempPathFact
             "OTEL_BSP_SCHEDULE_DELAY": "200",
             "OTEL_LLM_VLLM_DEEP_HOOK": "1",
             **recording_env(truth_file),
+            **ADD_MODE,
         }
         with VllmServer(tiny_model, env=env, args=request.param, cli=True) as server:
             completions = run_load(server.url, LOAD)

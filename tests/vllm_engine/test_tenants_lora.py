@@ -24,6 +24,7 @@ from engine_record import Samples, by_label, matrix, read_record, recording_env,
 
 from otel_llm.testing.models import make_tiny_lora
 from otel_llm.testing.vllm.server import (
+    ADD_MODE,
     MODEL_NAME,
     Load,
     ServerFailed,
@@ -87,6 +88,7 @@ def run(tiny_model: Path, adapters: dict[str, Path], tmp_path_factory: pytest.Te
         env={
             "OTEL_LLM_TENANT": "lora",
             **recording_env(truth_file),
+            **ADD_MODE,
         },
         args=lora_args(adapters),
     )

@@ -16,7 +16,7 @@ from typing import Any, Iterator
 import pytest
 from engine_record import Samples, by_label, matrix, read_record, recording_env, scrape_once_counted, total
 
-from otel_llm.testing.vllm.server import Load, VllmServer, run_load, rust_frontend_missing
+from otel_llm.testing.vllm.server import ADD_MODE, Load, VllmServer, run_load, rust_frontend_missing
 from tests.support.backends import require_backend
 
 CLASSES = 3
@@ -42,6 +42,7 @@ def run(request: Any, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
         env={
             "OTEL_LLM_TENANT": "priority",
             **recording_env(truth_file),
+            **ADD_MODE,
         },
         args=("--scheduling-policy", "priority"),
         rust_frontend=rust,

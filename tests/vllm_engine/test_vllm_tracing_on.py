@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from otel_llm.integrations.vllm.plan import SIBLING_SPAN_NAME
-from otel_llm.testing.vllm.server import MODEL_NAME, Load, VllmServer, run_load, scrape, traceparent
+from otel_llm.testing.vllm.server import ADD_MODE, MODEL_NAME, Load, VllmServer, run_load, scrape, traceparent
 from tests.support.backends import wait_until
 
 LOAD = Load(requests=24, concurrency=24, max_tokens=96, seed=1)
@@ -26,6 +26,7 @@ def traced(tiny_model: Path, otlp_sink: Any) -> tuple[list[Any], float]:
         "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc",
         "OTEL_BSP_SCHEDULE_DELAY": "200",
         "OTEL_LLM_VLLM_DEEP_HOOK": "1",
+        **ADD_MODE,
     }
     with VllmServer(tiny_model, env=env, args=["--otlp-traces-endpoint", otlp_sink.endpoint]) as server:
         completions = run_load(server.url, LOAD)

@@ -14,16 +14,17 @@ chunk per token.
 Variants, interleaved round by round in this one process (the order rotated each round):
 
 - ``stock``: vLLM alone (its ``PrometheusStatLogger`` and ``LoggingStatLogger``);
-- ``metrics``: + the plugin, metrics only (no span, no exporter: read at collection), its deep
-  hook off (``OTEL_LLM_VLLM_DEEP_HOOK=0``);
+- ``metrics``: + the plugin beside vLLM's own logger (add mode, ``OTEL_LLM_VLLM_METRICS=add``, as
+  in every variant up to ``each_step``), metrics only (no span, no exporter: read at collection),
+  its deep hook off (``OTEL_LLM_VLLM_DEEP_HOOK=0``);
 - ``spans``: + one span per request (made and ended, no exporter), the deep hook still off;
 - ``deep_hook``: + the deep hook (``OTEL_LLM_VLLM_DEEP_HOOK=1``, as by default);
 - ``otlp``: + metrics and traces over OTLP/HTTP to a loopback receiver (rotel, another process);
   each round ends with the plugin's flush (its spans and one metrics export: one per round);
 - ``each_step``: ``otlp`` with ``OTEL_LLM_DEFER_STEPS=1``: each engine step's stats translated as
   they come, not 16 steps' together (what the deferral saves);
-- ``replace``: ``otlp`` with ``OTEL_LLM_VLLM_METRICS=replace`` (vLLM's own Prometheus logger not
-  built; vLLM's ``/metrics`` answered by the plugin).
+- ``replace``: ``otlp`` in replace mode, the plugin's default (``OTEL_LLM_VLLM_METRICS=replace``:
+  vLLM's own Prometheus logger not built; vLLM's ``/metrics`` answered by the plugin).
 
 The plugin's providers collect and export once before each round, as a running server's have.
 Per round: the API-server process's CPU seconds (``time.process_time``: every thread), the event

@@ -28,15 +28,28 @@ TENANT_VARIANTS = (TENANTS_VARIANT, REPLACE_TENANTS_VARIANT)
 MODEL_NAME = "tiny"
 
 # The plugin's settings per variant (everything else unset); None: the plugin not loaded. The deep
-# hook is on by default: the variants before it turn it off.
-_NO_DEEP_HOOK = {"OTEL_LLM_VLLM_DEEP_HOOK": "0", "OTEL_METRICS_EXPORTER": "none", "OTEL_TRACES_EXPORTER": "none"}
+# hook is on by default: the variants before it turn it off. Replace mode is the default: the
+# variants before ``replace`` ask for add mode (the plugin beside vLLM's own logger).
+_ADD = {"OTEL_LLM_VLLM_METRICS": "add"}
+_NO_DEEP_HOOK = {
+    **_ADD,
+    "OTEL_LLM_VLLM_DEEP_HOOK": "0",
+    "OTEL_METRICS_EXPORTER": "none",
+    "OTEL_TRACES_EXPORTER": "none",
+}
 _PLUGIN_ENV: dict[str, Optional[dict[str, str]]] = {
     "stock": None,
     "metrics": {**_NO_DEEP_HOOK, "OTEL_LLM_SPANS": "false"},
     "spans": _NO_DEEP_HOOK,
-    "deep_hook": {"OTEL_METRICS_EXPORTER": "none", "OTEL_TRACES_EXPORTER": "none", "OTEL_LLM_VLLM_DEEP_HOOK": "1"},
-    "otlp": {"OTEL_METRICS_EXPORTER": "otlp", "OTEL_TRACES_EXPORTER": "otlp", "OTEL_LLM_VLLM_DEEP_HOOK": "1"},
+    "deep_hook": {
+        **_ADD,
+        "OTEL_METRICS_EXPORTER": "none",
+        "OTEL_TRACES_EXPORTER": "none",
+        "OTEL_LLM_VLLM_DEEP_HOOK": "1",
+    },
+    "otlp": {**_ADD, "OTEL_METRICS_EXPORTER": "otlp", "OTEL_TRACES_EXPORTER": "otlp", "OTEL_LLM_VLLM_DEEP_HOOK": "1"},
     "each_step": {
+        **_ADD,
         "OTEL_METRICS_EXPORTER": "otlp",
         "OTEL_TRACES_EXPORTER": "otlp",
         "OTEL_LLM_VLLM_DEEP_HOOK": "1",

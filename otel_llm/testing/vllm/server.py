@@ -68,6 +68,9 @@ class RustFrontendMissing(FileNotFoundError):
 
 
 _NO_ENV: Mapping[str, str] = MappingProxyType({})
+# The plugin beside vLLM's own Prometheus logger (add mode), so that vLLM's /metrics is vLLM's own
+# record to compare with; without it the plugin answers there (replace mode, the default).
+ADD_MODE: Mapping[str, str] = MappingProxyType({"OTEL_LLM_VLLM_METRICS": "add"})
 
 
 def server_environment(extra: Mapping[str, str] = _NO_ENV) -> dict[str, str]:

@@ -1,4 +1,5 @@
-"""Replace mode (``OTEL_LLM_VLLM_METRICS=replace``): otel-llm as vLLM's metrics layer.
+"""Replace mode (the default; ``OTEL_LLM_VLLM_METRICS=add`` turns it off): otel-llm as vLLM's
+metrics layer.
 
 vLLM's ``StatLoggerManager`` builds its own ``PrometheusStatLogger`` unless one of the custom
 stat loggers already is one (``isinstance``). In replace mode the plugin's class derives from
@@ -8,8 +9,12 @@ prometheus_client's global ``REGISTRY``: :class:`VllmFacingReader` registers the
 collector of the plugin's MeterProvider with vLLM's HELP text per family. Content negotiation
 (text, OpenMetrics) and the route itself stay vLLM's.
 
+It is the default because it is the cheaper mode: vLLM's own logger is not built, so nothing is
+recorded twice (in add mode, with a tenant source, every token's latencies would be).
+
 Where the plugin cannot stand in for vLLM's logger, :func:`obstacle` says why, and the plugin
-runs as in ``add`` mode (vLLM's own logger built by the plugin, one line at start): a vLLM
+runs as in ``add`` mode (vLLM's own logger built by the plugin, one line at start: a warning
+when replace mode was asked for by name, else an info line): a vLLM
 whose ``StatLoggerManager`` does not decide on its own logger that way (checked by structure,
 :func:`structure_obstacle`), several API servers (vLLM then serves the sum of every
 process's files through ``PROMETHEUS_MULTIPROC_DIR``, which this does not write), the
@@ -40,12 +45,12 @@ MODES = ("add", "replace")
 
 
 def mode(environ: Mapping[str, str] = os.environ) -> str:
-    """``add`` (default) or ``replace``; another value raises ValueError naming the variable."""
-    return from_environment(ENV, environ) or "add"
+    """``replace`` (default) or ``add``; another value raises ValueError naming the variable."""
+    return from_environment(ENV, environ) or "replace"
 
 
 def requested(environ: Mapping[str, str] = os.environ) -> bool:
-    """Replace mode asked for (a bad value is reported where the plugin starts)."""
+    """Replace mode in effect, by default or by name (a bad value is reported where the plugin starts)."""
     try:
         return mode(environ) == "replace"
     except ValueError:
@@ -143,5 +148,9 @@ class VllmFacingReader(ExemplarPrometheusMetricReader):
         super().shutdown(timeout_millis=timeout_millis, **kwargs)
 
 
-def report_fallback(reason: str) -> None:
-    _log.warning("otel-llm vLLM adapter: %s=replace runs as add: %s", ENV, reason)
+def report_fallback(reason: str, environ: Mapping[str, str] = os.environ) -> None:
+    """One line at start: a warning where replace mode was asked for by name, else (the default) an info line."""
+    if from_environment(ENV, environ) == "replace":
+        _log.warning("otel-llm vLLM adapter: %s=replace runs as add: %s", ENV, reason)
+    else:
+        _log.info("otel-llm vLLM adapter: vLLM's own Prometheus logger serves its /metrics (add mode): %s", reason)

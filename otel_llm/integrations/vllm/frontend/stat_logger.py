@@ -18,8 +18,9 @@ Settings (environment; see docs/vllm.md): the standard ``OTEL_*`` variables thro
 :func:`otel_llm.setup_telemetry`, ``OTEL_LLM_*`` through :meth:`TelemetryConfig.from_env`
 (``OTEL_LLM_MODEL_NAME`` overrides vLLM's served model name), and
 ``OTEL_LLM_VLLM_DEEP_HOOK=0`` to turn off the deep hook (per-preemption events and causes, on by
-default: :mod:`otel_llm.integrations.vllm.frontend.deep_hook`), ``OTEL_LLM_VLLM_METRICS=replace`` to answer vLLM's
-own ``/metrics`` in place of vLLM's Prometheus logger (:mod:`otel_llm.integrations.vllm.frontend.replace`).
+default: :mod:`otel_llm.integrations.vllm.frontend.deep_hook`), and ``OTEL_LLM_VLLM_METRICS``: ``replace``
+(default) answers vLLM's own ``/metrics`` in place of vLLM's Prometheus logger
+(:mod:`otel_llm.integrations.vllm.frontend.replace`), ``add`` records beside it.
 """
 
 from __future__ import annotations
@@ -248,8 +249,9 @@ def _make_replacing_class(adding: Any) -> type:
 
 
 def stat_logger_class() -> type:
-    """The stat-logger class for the mode ``OTEL_LLM_VLLM_METRICS`` asks for: replace mode's
-    where this vLLM leaves its own logger out for it, else add mode's (:mod:`.replace`)."""
+    """The stat-logger class for the mode ``OTEL_LLM_VLLM_METRICS`` asks for (replace unless
+    ``add``): replace mode's where this vLLM leaves its own logger out for it, else add mode's
+    (:mod:`.replace`)."""
     from otel_llm.integrations.vllm.frontend import replace as vllm_replace
 
     replace = vllm_replace.requested() and vllm_replace.structure_obstacle() is None
