@@ -350,7 +350,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "--metrics-mode",
         choices=("add", "replace"),
         default="add",
-        help=f"OTEL_LLM_VLLM_METRICS of the plugin's server (replace: written under {REPLACE_KEY})",
+        help=f"OTEL_LLM_VLLM_METRICS of the plugin's server (default add, beside vLLM's logger; replace, the "
+        f"plugin's own default: written under {REPLACE_KEY})",
     )
     p.add_argument(
         "--tenants",

@@ -214,13 +214,14 @@ class VllmAdapter:
         if self.deep_hook and (traces.ended or traces.lost[0]):
             self.record_ended()
         keeping = self.keeping
-        if keeping is Keeping.FINISHED_ONLY and not getattr(iteration_stats, "finished_requests", None):
+        finished = getattr(iteration_stats, "finished_requests", None)
+        if keeping is Keeping.FINISHED_ONLY and not finished:
             return
-        values = self._take_tenant_values(iteration_stats)
+        values = self._take_tenant_values(iteration_stats, bool(finished))
         if keeping is Keeping.ITERATIONS:
             if iteration_stats is None:
                 return
-            if not getattr(iteration_stats, "finished_requests", None):
+            if not finished:
                 if values is None:
                     tel.keep_step(iteration_stats)
                 elif values:
@@ -234,7 +235,7 @@ class VllmAdapter:
         )
         tel.keep_step(step, idle)
 
-    def _take_tenant_values(self, iteration_stats: Any) -> Optional[list]:
+    def _take_tenant_values(self, iteration_stats: Any, finished: bool) -> Optional[list]:
         """With tenant values (:mod:`.tenant_steps`), on vLLM's event loop, which adds to them:
         what is taken at this step (an empty list: nothing, yet), or None where this step's
         values are its IterationStats' (no tenant values, or they do not account for the step).
@@ -251,11 +252,7 @@ class VllmAdapter:
             return None
         several = len(self.telemetry) > 1
         tenant_values.steps += 1
-        if (
-            not several
-            and tenant_values.steps < self._take_every
-            and not getattr(iteration_stats, "finished_requests", None)
-        ):
+        if not several and tenant_values.steps < self._take_every and not finished:
             return tenant_steps.NOTHING
         return self._take(tenant_values, one_step=several)
 

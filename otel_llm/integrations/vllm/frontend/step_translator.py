@@ -150,16 +150,15 @@ class StepTranslator:
         request with no facts where they could not be."""
         takes: list[tenant_steps.Taken] = []
         for s in kept:
-            if type(s) is list:
+            if type(s) is list:  # values taken at a step not kept
                 takes.append(s)
-            else:
-                it = s.iteration_stats if type(s) is VllmStep else s
-                taken = s.tenant_values if type(s) is VllmStep else None
-                if taken is not None:
-                    if taken:
-                        takes.append(taken)
-                elif it is not None:
-                    takes.append([self._unattributed(it)])
+            elif type(s) is not VllmStep:  # a step's IterationStats, kept without values taken
+                takes.append([self._unattributed(s)])
+            elif s.tenant_values is not None:
+                if s.tenant_values:
+                    takes.append(s.tenant_values)
+            elif s.iteration_stats is not None:
+                takes.append([self._unattributed(s.iteration_stats)])
         if not takes:
             return
         # Each tenant's values of every take in one record: its fixed cost once.
