@@ -228,6 +228,23 @@ def test_replace_is_the_default_and_falls_back_with_an_info_line(clean, vllm_con
     assert not [r for r in caplog.records if r.name.startswith("otel_llm") and r.levelno >= logging.WARNING]
 
 
+def test_a_bad_setting_under_the_default_leaves_vllm_its_own_logger(clean, vllm_config, monkeypatch, caplog):
+    """Replace mode's class with the plugin disabled by a bad setting: vLLM's own logger is built
+    and serves vLLM's /metrics, as if the plugin were not installed."""
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    from otel_llm.integrations.vllm.frontend.stat_logger import stat_logger_class
+
+    monkeypatch.setenv("OTEL_LLM_PREEMPTION_BUCKETS", "one,two")
+    with caplog.at_level(logging.WARNING):
+        manager = _manager(vllm_config, [stat_logger_class()])
+    (ours,) = manager.stat_loggers
+    assert ours.telemetry == {} and type(ours.vllm_logger) is PrometheusStatLogger
+    assert any("OTEL_LLM_PREEMPTION_BUCKETS" in r.getMessage() for r in caplog.records), caplog.text
+    run(manager, {0: build(default_specs()[:2], T0_MONOTONIC, T0_WALL)})
+    assert 'vllm:generation_tokens_total{engine="0",model_name' in "\n".join(_scrape(TEXT)[1])
+
+
 @pytest.mark.parametrize("engines", [1, 2])
 def test_replace_with_tenants_serves_vllms_values_by_tenant(clean, vllm_config, monkeypatch, engines):
     """Replace mode with a tenant source (``priority``, three classes), one engine (the values

@@ -1,7 +1,8 @@
 """Replace mode on vLLM's real engine, the plugin's default (``OTEL_LLM_VLLM_METRICS`` unset):
-vLLM builds no Prometheus logger of its own and its /metrics route is answered by the plugin. One server for
-the module (deep hook on, spans over OTLP to a loopback sink); vLLM's /metrics scraped while it
-is up (it answers from then on), after 64 concurrent completions with real preemptions."""
+vLLM builds no Prometheus logger of its own and its /metrics route is answered by the plugin.
+One server for the module (deep hook on, spans over OTLP to a loopback sink); vLLM's /metrics
+scraped while it is up (it answers from then on), after 64 concurrent completions with real
+preemptions."""
 
 from __future__ import annotations
 
