@@ -53,8 +53,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "--tenants",
         type=int,
         default=0,
-        help=f"--instructions: every variant's requests carry priorities 0..N-1 under vLLM's priority scheduling "
-        f"(key {INSTRUCTIONS_KEY}_tenants)",
+        help="every variant's requests carry priorities 0..N-1 under vLLM's priority scheduling "
+        f"(key {KEY}_tenants, {INSTRUCTIONS_KEY}_tenants with --instructions)",
     )
     p.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--count-round", choices=(*VARIANTS, *TENANT_VARIANTS), help=argparse.SUPPRESS)
@@ -68,14 +68,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             count_round(args.count_round, args.requests, args.tokens, args.running, args.loads or 1, args.tenants)
         )
         return 0
-    if bool(set(TENANT_VARIANTS) & set(args.variants)) != bool(args.tenants) or (
-        args.tenants and not args.instructions
-    ):
-        p.error(
-            "--tenants N (at least 1) with --instructions and a variant of "
-            + " or ".join(TENANT_VARIANTS)
-            + ", one with the other"
-        )
+    if bool(set(TENANT_VARIANTS) & set(args.variants)) != bool(args.tenants):
+        p.error("--tenants N (at least 1) and a variant of " + " or ".join(TENANT_VARIANTS) + ", one with the other")
     if args.instructions:
         if args.jobs < 1:
             p.error("--jobs: at least 1")
@@ -99,7 +93,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.rounds < 3:
         p.error("--rounds: at least 3")
     return write_section(
-        KEY,
+        f"{KEY}_tenants" if args.tenants else KEY,
         args.out,
         lambda: run(
             args.rounds,
@@ -109,6 +103,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             args.loads or LOADS,
             args.variants,
             not args.no_profile,
+            tenants=args.tenants,
         ),
         table_lines,
     )

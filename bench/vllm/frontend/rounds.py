@@ -11,7 +11,7 @@ from typing import Any, Sequence
 from ...common import median, ratio
 from . import TARGET, TARGET_REPLACE
 from .client import SCRAPE_INTERVAL_S
-from .frontend import VARIANTS, serving
+from .frontend import TENANT_VARIANTS, VARIANTS, serving
 from .profile import Profile
 from .scripted_core import round_specs
 
@@ -52,10 +52,11 @@ async def _run(
     variants: Sequence[str],
     profile: bool,
     log: Any,
+    tenants: int,
 ) -> dict[str, Any]:
     specs = round_specs(requests, tokens, running)
-    variants = ("stock", *(v for v in VARIANTS if v in variants and v != "stock"))
-    async with serving(loads) as (frontend, client):
+    variants = ("stock", *(v for v in (*VARIANTS, *TENANT_VARIANTS) if v in variants and v != "stock"))
+    async with serving(loads, tenants) as (frontend, client):
         for name in variants:  # warm-up, not counted
             await frontend.round(name, specs, client)
         print(f"[vllm_frontend] {rounds} rounds of {len(variants)} variants ...", file=log, flush=True)
@@ -65,7 +66,7 @@ async def _run(
             for name in order:
                 results[name].append(await frontend.round(name, specs, client))
             print(f"[vllm_frontend]   round {r + 1}/{rounds}", file=log, flush=True)
-        compared = [v for v in ("stock", "otlp", "replace") if v in variants]  # scraped, then profiled
+        compared = [v for v in ("stock", "otlp", "replace", *TENANT_VARIANTS) if v in variants]  # scraped, profiled
         scraped: dict[str, Any] = {}
         for name in compared:
             pair = [await frontend.round(name, specs, client, scrape=s) for s in (False, True, False, True)]
@@ -105,6 +106,7 @@ async def _run(
             "loads_per_round": loads,
             "output_tokens": requests * tokens * loads,
             "rounds": rounds,
+            **({"tenants": tenants} if tenants else {}),
         },
         "cpu_per_token": summarize(results, "cpu_us_per_token"),
         "main_thread_per_token": summarize(results, "main_us_per_token"),
@@ -125,8 +127,10 @@ def run(
     variants: Sequence[str] = VARIANTS,
     profile: bool = True,
     log: Any = sys.stderr,
+    tenants: int = 0,
 ) -> dict[str, Any]:
-    return asyncio.run(_run(rounds, requests, tokens, running, loads, variants, profile, log))
+    """``tenants``: every variant's requests carry priorities 0..N-1 (:class:`.frontend.Frontend`)."""
+    return asyncio.run(_run(rounds, requests, tokens, running, loads, variants, profile, log, tenants))
 
 
 def table_lines(r: dict[str, Any]) -> list[str]:
