@@ -26,7 +26,8 @@ Variants, interleaved round by round in this one process (the order rotated each
 - ``replace``: ``otlp`` in replace mode, the plugin's default (``OTEL_LLM_VLLM_METRICS=replace``:
   vLLM's own Prometheus logger not built; vLLM's ``/metrics`` answered by the plugin).
 
-The plugin's providers collect and export once before each round, as a running server's have.
+The plugin's providers collect and export once before each round, as a running server's have,
+and the heap is then frozen for the garbage collector, as vLLM's server freezes it once started.
 Per round: the API-server process's CPU seconds (``time.process_time``: every thread), the event
 loop's thread alone (``time.thread_time``), per output token; ratios against ``stock`` as the
 ratio of medians and the median (and quartiles) of the per-round ratios. Then a profile by
