@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+from otel_llm.testing.vllm.server import ADD_MODE
+
 from ..common import interleave, median, ratio, write_section
 
 RESULTS = Path(__file__).resolve().parents[1] / "results.json"
@@ -46,7 +48,7 @@ def _vllm_environment() -> None:
     ):
         os.environ.setdefault(var, value)
     # Add mode's class: vLLM's own logger is a variant of its own here, never built by ours.
-    os.environ["OTEL_LLM_VLLM_METRICS"] = "add"
+    os.environ.update(ADD_MODE)
 
 
 class _Loggers:

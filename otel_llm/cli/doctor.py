@@ -67,7 +67,7 @@ def vllm_parts(environ: Mapping[str, str]) -> list[Part]:
     mode = replace.mode(environ)
     replace_problem = _checked(replace.structure_obstacle)
     # Replace mode is the default, and where it cannot run add mode does: a failure only when named.
-    replace_asked = mode == "replace" and (replace_problem is None or environ.get(replace.ENV, "").strip() != "")
+    replace_asked = mode == "replace" and (replace_problem is None or replace.named(environ))
     rust = frontend.rust_frontend(environ)
     return [
         Part(

@@ -206,6 +206,7 @@ def test_replace_is_the_default_and_falls_back_with_an_info_line(clean, vllm_con
     (several API servers), vLLM's own logger runs beside it, said in one info line, no warning."""
     from vllm.v1.metrics.loggers import PrometheusStatLogger
 
+    from otel_llm.integrations import vllm as plugin
     from otel_llm.integrations.vllm.frontend.stat_logger import stat_logger_class
 
     cls = stat_logger_class()
@@ -213,8 +214,6 @@ def test_replace_is_the_default_and_falls_back_with_an_info_line(clean, vllm_con
     manager = _manager(vllm_config, [cls])
     (ours,) = manager.stat_loggers
     assert ours.vllm_logger is None and ours.telemetry
-
-    from otel_llm.integrations import vllm as plugin
 
     plugin.reset()  # the next logger starts from nothing
     monkeypatch.setattr(vllm_config.parallel_config, "_api_process_count", 2)

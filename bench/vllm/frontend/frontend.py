@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import Any, AsyncIterator, ContextManager, Optional
 
+from otel_llm.testing.vllm.server import ADD_MODE
+
 from ...common import otlp_receiver
 from . import ROOT
 from .scripted_core import ScriptedCore
@@ -28,28 +30,16 @@ TENANT_VARIANTS = (TENANTS_VARIANT, REPLACE_TENANTS_VARIANT)
 MODEL_NAME = "tiny"
 
 # The plugin's settings per variant (everything else unset); None: the plugin not loaded. The deep
-# hook is on by default: the variants before it turn it off. Replace mode is the default: the
-# variants before ``replace`` ask for add mode (the plugin beside vLLM's own logger).
-_ADD = {"OTEL_LLM_VLLM_METRICS": "add"}
-_NO_DEEP_HOOK = {
-    **_ADD,
-    "OTEL_LLM_VLLM_DEEP_HOOK": "0",
-    "OTEL_METRICS_EXPORTER": "none",
-    "OTEL_TRACES_EXPORTER": "none",
-}
+# hook is on by default: the variants before it turn it off. Replace mode is the default: a variant
+# that does not name a mode runs in add mode (ADD_MODE: the plugin beside vLLM's own logger).
+_NO_DEEP_HOOK = {"OTEL_LLM_VLLM_DEEP_HOOK": "0", "OTEL_METRICS_EXPORTER": "none", "OTEL_TRACES_EXPORTER": "none"}
 _PLUGIN_ENV: dict[str, Optional[dict[str, str]]] = {
     "stock": None,
     "metrics": {**_NO_DEEP_HOOK, "OTEL_LLM_SPANS": "false"},
     "spans": _NO_DEEP_HOOK,
-    "deep_hook": {
-        **_ADD,
-        "OTEL_METRICS_EXPORTER": "none",
-        "OTEL_TRACES_EXPORTER": "none",
-        "OTEL_LLM_VLLM_DEEP_HOOK": "1",
-    },
-    "otlp": {**_ADD, "OTEL_METRICS_EXPORTER": "otlp", "OTEL_TRACES_EXPORTER": "otlp", "OTEL_LLM_VLLM_DEEP_HOOK": "1"},
+    "deep_hook": {"OTEL_METRICS_EXPORTER": "none", "OTEL_TRACES_EXPORTER": "none", "OTEL_LLM_VLLM_DEEP_HOOK": "1"},
+    "otlp": {"OTEL_METRICS_EXPORTER": "otlp", "OTEL_TRACES_EXPORTER": "otlp", "OTEL_LLM_VLLM_DEEP_HOOK": "1"},
     "each_step": {
-        **_ADD,
         "OTEL_METRICS_EXPORTER": "otlp",
         "OTEL_TRACES_EXPORTER": "otlp",
         "OTEL_LLM_VLLM_DEEP_HOOK": "1",
@@ -111,7 +101,7 @@ class Frontend:
         self.otlp_http = otlp_http
         self.loads = loads
         self.tenants = tenants
-        self._plugin_vars = sorted({k for env in _PLUGIN_ENV.values() if env for k in env})
+        self._plugin_vars = sorted({k for env in _PLUGIN_ENV.values() if env for k in env} | set(ADD_MODE))
 
     def _configure(self, variant: str) -> list[Any]:
         """The plugin's environment for ``variant``; the stat-logger factories AsyncLLM loads."""
@@ -123,7 +113,7 @@ class Frontend:
         env = _PLUGIN_ENV[variant]
         if env is None:
             return []
-        os.environ.update(env)
+        os.environ.update({**ADD_MODE, **env})
         os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = self.otlp_http
         os.environ["OTEL_EXPORTER_OTLP_PROTOCOL"] = "http/protobuf"
         os.environ["OTEL_METRIC_EXPORT_INTERVAL"] = "600000"  # the round's flush exports once

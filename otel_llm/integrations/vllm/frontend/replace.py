@@ -57,6 +57,11 @@ def requested(environ: Mapping[str, str] = os.environ) -> bool:
         return False
 
 
+def named(environ: Mapping[str, str] = os.environ) -> bool:
+    """Replace mode asked for by name, not by default: where it cannot run, that is a failure to report."""
+    return from_environment(ENV, environ) == "replace"
+
+
 def structure_obstacle() -> Optional[str]:
     """Why this vLLM's StatLoggerManager may not be relied on to leave its own logger out, or None.
     The rule relied on: its constructor sets a local ``custom_prometheus_logger`` when a custom
@@ -150,7 +155,7 @@ class VllmFacingReader(ExemplarPrometheusMetricReader):
 
 def report_fallback(reason: str, environ: Mapping[str, str] = os.environ) -> None:
     """One line at start: a warning where replace mode was asked for by name, else (the default) an info line."""
-    if from_environment(ENV, environ) == "replace":
+    if named(environ):
         _log.warning("otel-llm vLLM adapter: %s=replace runs as add: %s", ENV, reason)
     else:
         _log.info("otel-llm vLLM adapter: vLLM's own Prometheus logger serves its /metrics (add mode): %s", reason)
